@@ -1,0 +1,37 @@
+//! # idemkey-core
+//!
+//! The storage-independent heart of idemkey: it makes retried HTTP writes safe by giving
+//! every logical operation an identity (`tenant`, `route`, `Idempotency-Key`), claiming
+//! that identity atomically, and replaying the stored outcome to every retry.
+//!
+//! - [`IdempotencyKey`]: parsing and validation of the header;
+//! - [`Scope`], [`KeyHasher`], [`RecordId`]: identity, with the raw key replaced by a keyed hash;
+//! - [`fingerprint()`]: the canonical request fingerprint (RFC 8785 for JSON);
+//! - [`Record`], [`RecordState`], [`StoredResponse`]: what is stored;
+//! - [`decide`]: the one pure function that says execute / replay / mismatch / in-flight /
+//!   outcome-unknown;
+//! - [`Store`]: the SQL primitives a backend provides;
+//! - [`protocol`]: the claim protocol on top of them, written once for every store.
+//!
+//! No I/O happens here; the stores (`idemkey-sqlite`, `idemkey-postgres`) speak SQL.
+
+mod decision;
+mod fingerprint;
+mod key;
+pub mod protocol;
+mod record;
+mod scope;
+#[cfg(feature = "sqlx")]
+mod sqlx_row;
+mod store;
+mod time;
+
+pub use self::decision::{Decision, Mismatch, decide};
+pub use self::fingerprint::*;
+pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
+pub use self::record::{NewRecord, Record, RecordState, StoredResponse};
+pub use self::scope::{KeyHasher, RecordId, Scope};
+#[cfg(feature = "sqlx")]
+pub use self::sqlx_row::{RecordRow, classify_error};
+pub use self::store::{BoxError, ListFilter, Store, StoreError};
+pub use self::time::Timestamp;

@@ -1,0 +1,351 @@
+//! The claim protocol, written once for every store.
+//!
+//! **Local mode** ([`claim`], [`complete`]): the claim is one `INSERT … ON CONFLICT DO
+//! NOTHING` in a transaction the caller owns; the caller writes its effect on the same
+//! transaction, then [`complete`] stores the response and the caller commits. A loser learns
+//! it lost from the insert that inserted nothing, reads the record, and lets [`decide`] say
+//! what to answer.
+//!
+//! **External mode** ([`reserve`] and [`Lease`]): the claim commits at once with a lease and
+//! a fencing token; every later write carries the token and is refused when it is stale.
+
+use std::time::Duration;
+
+use crate::{
+    Decision, Fingerprint, Mismatch, NewRecord, Record, RecordId, RecordState, Store, StoreError,
+    StoredResponse, Timestamp, decide,
+};
+
+/// How often the claim re-reads a record that changed under it before it gives up and
+/// answers "in flight". Each round needs another writer to win a race, so two is plenty.
+const MAX_ROUNDS: usize = 4;
+
+/// Protocol errors.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The write carried a stale fencing token: another owner holds the record now.
+    #[error("the idempotency record is held by a newer owner; this owner's write was refused")]
+    Fenced,
+    /// An operator asked to resolve a record that is not indeterminate.
+    #[error("the record is {0}, not indeterminate; only indeterminate records are resolved")]
+    NotIndeterminate(RecordState),
+    /// No such record.
+    #[error("no such idempotency record")]
+    NotFound,
+}
+
+/// A `Result` with the protocol [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A request to claim a key.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// The record identity.
+    pub id: RecordId,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The time of the attempt.
+    pub now: Timestamp,
+    /// How long the record is kept (and replayed) once claimed.
+    pub retention: Duration,
+}
+
+/// The answer to a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// This attempt owns the key and must run the operation, writing with `token`.
+    Owned {
+        /// The fencing token of this ownership.
+        token: i64,
+        /// When the record expires.
+        expires_at: Timestamp,
+    },
+    /// Answer with the stored response.
+    Replay {
+        /// The stored response.
+        response: StoredResponse,
+        /// When the record expires.
+        expires_at: Timestamp,
+    },
+    /// The key was used with a different request.
+    Mismatch(Mismatch),
+    /// Another attempt is running.
+    InFlight {
+        /// The owner's lease, when there is one.
+        lease_expires_at: Option<Timestamp>,
+    },
+    /// The outcome of the first attempt is unknown; it is not re-executed.
+    OutcomeUnknown,
+}
+
+/// Local mode: claims the key on `conn`, a transaction the caller owns.
+///
+/// On [`ClaimOutcome::Owned`] the caller writes its effect on the same transaction, calls
+/// [`complete`], and commits. On any other outcome the caller has written nothing of its
+/// own; committing keeps a possible `indeterminate` mark, rolling back is also safe.
+///
+/// A lock the store could not get in time ([`StoreError::Busy`]) answers
+/// [`ClaimOutcome::InFlight`]: the owner still holds the key.
+pub async fn claim<S: Store>(
+    store: &S,
+    conn: &mut S::Connection,
+    claim: &Claim,
+) -> Result<ClaimOutcome> {
+    let record = new_record(claim, RecordState::Executing, None);
+    claim_on(store, conn, &record, claim).await
+}
+
+/// Local mode: stores the owner's response on the same transaction as its effect.
+pub async fn complete<S: Store>(
+    store: &S,
+    conn: &mut S::Connection,
+    id: &RecordId,
+    token: i64,
+    response: &StoredResponse,
+) -> Result<()> {
+    if store
+        .complete(conn, id, token, response, Timestamp::now())
+        .await?
+    {
+        Ok(())
+    } else {
+        Err(Error::Fenced)
+    }
+}
+
+/// External mode: reserves the key with a lease; the reservation commits at once.
+///
+/// On [`ClaimOutcome::Owned`], build a [`Lease`] from the token and carry every later write
+/// through it.
+pub async fn reserve<S: Store>(store: &S, claim: &Claim, lease: Duration) -> Result<ClaimOutcome> {
+    let record = new_record(claim, RecordState::Reserved, Some(claim.now.plus(lease)));
+    let mut conn = store.acquire().await?;
+    claim_on(store, &mut conn, &record, claim).await
+}
+
+fn new_record(claim: &Claim, state: RecordState, lease: Option<Timestamp>) -> NewRecord {
+    NewRecord {
+        id: claim.id.clone(),
+        fingerprint: claim.fingerprint.clone(),
+        state,
+        lease_expires_at: lease,
+        now: claim.now,
+        expires_at: claim.now.plus(claim.retention),
+    }
+}
+
+async fn claim_on<S: Store>(
+    store: &S,
+    conn: &mut S::Connection,
+    record: &NewRecord,
+    claim: &Claim,
+) -> Result<ClaimOutcome> {
+    let owned = |token| ClaimOutcome::Owned {
+        token,
+        expires_at: record.expires_at,
+    };
+    for _ in 0..MAX_ROUNDS {
+        // The claim. Fresh keys end here, with one statement.
+        match store.insert(conn, record).await {
+            Ok(true) => return Ok(owned(1)),
+            Ok(false) => {}
+            Err(StoreError::Busy(_)) => return Ok(in_flight(None)),
+            Err(e) => return Err(e.into()),
+        }
+        // Lost: somebody holds (or held) the key. Read what they left.
+        let existing = match store.fetch(conn, &record.id).await {
+            Ok(existing) => existing,
+            Err(StoreError::Busy(_)) => return Ok(in_flight(None)),
+            Err(e) => return Err(e.into()),
+        };
+        match decide(existing.as_ref(), &claim.fingerprint, claim.now) {
+            // Deleted between our insert and our read (released, evicted, purged): again.
+            Decision::Execute => continue,
+            Decision::TakeOver { token } => match store.replace(conn, record, token).await {
+                Ok(Some(token)) => return Ok(owned(token)),
+                Ok(None) => continue,
+                Err(StoreError::Busy(_)) => return Ok(in_flight(None)),
+                Err(e) => return Err(e.into()),
+            },
+            Decision::Replay(response) => {
+                let expires_at = existing.as_ref().map(|r| r.expires_at);
+                return Ok(ClaimOutcome::Replay {
+                    response: response.clone(),
+                    expires_at: expires_at.unwrap_or(claim.now),
+                });
+            }
+            Decision::Mismatch(m) => return Ok(ClaimOutcome::Mismatch(m)),
+            Decision::InFlight { lease_expires_at } => return Ok(in_flight(lease_expires_at)),
+            Decision::OutcomeUnknown { settle } => {
+                if let Some(token) = settle {
+                    // Persist what the decision found, so operators and metrics see it. If
+                    // the token moved, someone else settled it first: same answer.
+                    store
+                        .mark_indeterminate(conn, &record.id, token, claim.now)
+                        .await?;
+                }
+                return Ok(ClaimOutcome::OutcomeUnknown);
+            }
+        }
+    }
+    Ok(in_flight(None))
+}
+
+fn in_flight(lease_expires_at: Option<Timestamp>) -> ClaimOutcome {
+    ClaimOutcome::InFlight { lease_expires_at }
+}
+
+/// External mode: the owner's handle on a reserved record. Every write carries the fencing
+/// token and fails with [`Error::Fenced`] once a newer owner took over.
+#[derive(Debug, Clone)]
+pub struct Lease<S> {
+    store: S,
+    id: RecordId,
+    token: i64,
+    duration: Duration,
+}
+
+impl<S: Store> Lease<S> {
+    /// The handle for an [`ClaimOutcome::Owned`] reservation.
+    pub fn new(store: S, id: RecordId, token: i64, duration: Duration) -> Self {
+        Self {
+            store,
+            id,
+            token,
+            duration,
+        }
+    }
+
+    /// The fencing token.
+    pub fn token(&self) -> i64 {
+        self.token
+    }
+
+    /// The record identity.
+    pub fn id(&self) -> &RecordId {
+        &self.id
+    }
+
+    /// Extends the lease by its duration from now.
+    pub async fn renew(&self) -> Result<()> {
+        let now = Timestamp::now();
+        let mut conn = self.store.acquire().await?;
+        let ok = self
+            .store
+            .renew(
+                &mut conn,
+                &self.id,
+                self.token,
+                now.plus(self.duration),
+                now,
+            )
+            .await?;
+        fenced_unless(ok)
+    }
+
+    /// Marks the point of no return, just before the request leaves for the other service.
+    /// From here on, an owner that vanishes leaves the operation indeterminate.
+    pub async fn point_of_no_return(&self) -> Result<()> {
+        let now = Timestamp::now();
+        let mut conn = self.store.acquire().await?;
+        let ok = self
+            .store
+            .mark_executing(
+                &mut conn,
+                &self.id,
+                self.token,
+                now.plus(self.duration),
+                now,
+            )
+            .await?;
+        fenced_unless(ok)
+    }
+
+    /// Stores the outcome.
+    pub async fn complete(self, response: &StoredResponse) -> Result<()> {
+        let mut conn = self.store.acquire().await?;
+        let ok = self
+            .store
+            .complete(&mut conn, &self.id, self.token, response, Timestamp::now())
+            .await?;
+        fenced_unless(ok)
+    }
+
+    /// Frees the key: nothing was sent, a retry may execute.
+    pub async fn release(self) -> Result<()> {
+        let mut conn = self.store.acquire().await?;
+        let ok = self.store.release(&mut conn, &self.id, self.token).await?;
+        fenced_unless(ok)
+    }
+
+    /// Marks the outcome unknown (a time-out or reset after the request was sent).
+    pub async fn indeterminate(self) -> Result<()> {
+        let mut conn = self.store.acquire().await?;
+        let ok = self
+            .store
+            .mark_indeterminate(&mut conn, &self.id, self.token, Timestamp::now())
+            .await?;
+        fenced_unless(ok)
+    }
+}
+
+fn fenced_unless(ok: bool) -> Result<()> {
+    if ok { Ok(()) } else { Err(Error::Fenced) }
+}
+
+/// How an operator settles an indeterminate record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// The effect happened: store this outcome; retries replay it.
+    Completed(StoredResponse),
+    /// The effect did not happen: free the key; the next retry executes.
+    Released,
+}
+
+/// Operator: settles an indeterminate record. Raises the fencing token, so a stale owner
+/// cannot overwrite the operator's answer.
+pub async fn resolve<S: Store>(
+    store: &S,
+    id: &RecordId,
+    resolution: &Resolution,
+) -> Result<Record> {
+    let mut conn = store.acquire().await?;
+    let now = Timestamp::now();
+    let record = store.fetch(&mut conn, id).await?.ok_or(Error::NotFound)?;
+    let unknown = matches!(
+        decide(Some(&record), &record.fingerprint, now),
+        Decision::OutcomeUnknown { .. }
+    );
+    if !unknown {
+        return Err(Error::NotIndeterminate(record.state));
+    }
+    let ok = match resolution {
+        Resolution::Completed(response) => {
+            store
+                .complete(&mut conn, id, record.token, response, now)
+                .await?
+        }
+        Resolution::Released => store.release(&mut conn, id, record.token).await?,
+    };
+    fenced_unless(ok)?;
+    Ok(record)
+}
+
+/// Deletes every record expired at `now`, `batch` rows per statement, each batch committed
+/// on its own so live traffic is never blocked for long. Returns how many it deleted.
+pub async fn purge_expired<S: Store>(store: &S, now: Timestamp, batch: u32) -> Result<u64> {
+    let batch = batch.max(1);
+    let mut total = 0;
+    let mut conn = store.acquire().await?;
+    loop {
+        let n = store.purge_batch(&mut conn, now, batch).await?;
+        total += n;
+        if n < u64::from(batch) {
+            return Ok(total);
+        }
+    }
+}

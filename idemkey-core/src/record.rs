@@ -1,0 +1,187 @@
+//! The idempotency record, its states and the stored response.
+
+use crate::{Fingerprint, RecordId, Timestamp};
+
+/// Where an operation stands.
+///
+/// ```text
+/// reserved ──► executing ──► completed
+///                  │
+///                  └──────► indeterminate ──(reconcile / operator)──► completed | released
+/// ```
+///
+/// In local mode the claim, the effect and the completion share one transaction, so other
+/// requests only ever see `completed` records from it. `reserved` and `executing` are
+/// visible in external mode, where the claim commits on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RecordState {
+    /// Claimed, leased, and the effect has certainly not started: a lapsed lease may be
+    /// taken over.
+    Reserved,
+    /// Past the point of no return: the effect may have happened.
+    Executing,
+    /// The outcome is stored and is replayed to every retry.
+    Completed,
+    /// The effect may or may not have happened; never re-executed on its own.
+    Indeterminate,
+}
+
+impl RecordState {
+    /// The name stored in the `state` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reserved => "reserved",
+            Self::Executing => "executing",
+            Self::Completed => "completed",
+            Self::Indeterminate => "indeterminate",
+        }
+    }
+
+    /// Parses a stored state name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "reserved" => Self::Reserved,
+            "executing" => Self::Executing,
+            "completed" => Self::Completed,
+            "indeterminate" => Self::Indeterminate,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for RecordState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A response as stored for replay: status, allowlisted headers, body bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The HTTP status code.
+    pub status: u16,
+    /// Allowlisted headers (lower-case names), in order.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The body, byte for byte.
+    pub body: Vec<u8>,
+}
+
+impl StoredResponse {
+    /// Encodes the headers for the `response_headers` column:
+    /// per header `u16 name length ‖ name ‖ u32 value length ‖ value`, big-endian.
+    pub fn encode_headers(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (name, value) in &self.headers {
+            out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            out.extend_from_slice(value);
+        }
+        out
+    }
+
+    /// Decodes [`encode_headers`](Self::encode_headers); `None` if the bytes are malformed.
+    pub fn decode_headers(mut bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+        fn take<'a>(bytes: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+            if bytes.len() < n {
+                return None;
+            }
+            let (head, tail) = bytes.split_at(n);
+            *bytes = tail;
+            Some(head)
+        }
+        let mut headers = Vec::new();
+        while !bytes.is_empty() {
+            let n = u16::from_be_bytes(take(&mut bytes, 2)?.try_into().ok()?) as usize;
+            let name = String::from_utf8(take(&mut bytes, n)?.to_vec()).ok()?;
+            let n = u32::from_be_bytes(take(&mut bytes, 4)?.try_into().ok()?) as usize;
+            let value = take(&mut bytes, n)?.to_vec();
+            headers.push((name, value));
+        }
+        Some(headers)
+    }
+}
+
+/// A stored idempotency record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// Identity: tenant, keyed hash of the key, route.
+    pub id: RecordId,
+    /// The fingerprint of the request that claimed the key.
+    pub fingerprint: Fingerprint,
+    /// Where the operation stands.
+    pub state: RecordState,
+    /// Fencing token: raised by every takeover and operator resolution. A write that
+    /// carries an older token is refused.
+    pub token: i64,
+    /// Until when the current owner holds the record (external mode).
+    pub lease_expires_at: Option<Timestamp>,
+    /// The stored outcome, once completed.
+    pub response: Option<StoredResponse>,
+    /// When the key was first claimed.
+    pub created_at: Timestamp,
+    /// Last change.
+    pub updated_at: Timestamp,
+    /// After this the record is never replayed and the key is free again.
+    pub expires_at: Timestamp,
+}
+
+impl Record {
+    /// Whether the retention window has passed at `now`.
+    pub fn is_expired(&self, now: Timestamp) -> bool {
+        self.expires_at <= now
+    }
+}
+
+/// What a claim writes: a fresh record owned by the caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewRecord {
+    /// Identity.
+    pub id: RecordId,
+    /// The claiming request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// `Executing` in local mode, `Reserved` in external mode.
+    pub state: RecordState,
+    /// The lease, in external mode.
+    pub lease_expires_at: Option<Timestamp>,
+    /// The time of the claim.
+    pub now: Timestamp,
+    /// End of retention.
+    pub expires_at: Timestamp,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip() {
+        let r = StoredResponse {
+            status: 201,
+            headers: vec![
+                ("content-type".into(), b"application/json".to_vec()),
+                ("location".into(), vec![0xff, 0x00]),
+            ],
+            body: vec![],
+        };
+        assert_eq!(
+            StoredResponse::decode_headers(&r.encode_headers()),
+            Some(r.headers)
+        );
+        assert_eq!(StoredResponse::decode_headers(&[0, 5, b'a']), None);
+    }
+
+    #[test]
+    fn state_names_round_trip() {
+        for s in [
+            RecordState::Reserved,
+            RecordState::Executing,
+            RecordState::Completed,
+            RecordState::Indeterminate,
+        ] {
+            assert_eq!(RecordState::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(RecordState::parse("bogus"), None);
+    }
+}

@@ -1,0 +1,100 @@
+//! What the sqlx-based stores share: the row type and the error classification.
+//!
+//! Both dialects store the same columns with the same Rust types (`TEXT`, `BLOB`/`BYTEA`,
+//! 64-bit integers), so one `FromRow` type reads a record from either.
+
+use crate::{
+    BoxError, Fingerprint, FingerprintParts, Record, RecordId, RecordState, StoreError,
+    StoredResponse, Timestamp,
+};
+
+/// One row of `idemkey_records`, as both stores select it.
+#[derive(Debug, sqlx::FromRow)]
+pub struct RecordRow {
+    tenant: String,
+    key_hash: Vec<u8>,
+    route: String,
+    fingerprint: Vec<u8>,
+    fingerprint_parts: Vec<u8>,
+    state: String,
+    token: i64,
+    lease_expires_at: Option<i64>,
+    response_status: Option<i32>,
+    response_headers: Option<Vec<u8>>,
+    response_body: Option<Vec<u8>>,
+    created_at: i64,
+    updated_at: i64,
+    expires_at: i64,
+}
+
+impl TryFrom<RecordRow> for Record {
+    type Error = StoreError;
+
+    fn try_from(row: RecordRow) -> Result<Self, StoreError> {
+        let corrupt = |what: &str| StoreError::Corrupt(format!("{what} in idemkey_records"));
+        let state = RecordState::parse(&row.state).ok_or_else(|| corrupt("unknown state"))?;
+        let response = match (row.response_status, row.response_headers, row.response_body) {
+            (Some(status), Some(headers), Some(body)) => Some(StoredResponse {
+                status: u16::try_from(status).map_err(|_| corrupt("bad status"))?,
+                headers: StoredResponse::decode_headers(&headers)
+                    .ok_or_else(|| corrupt("bad response headers"))?,
+                body,
+            }),
+            (None, None, None) => None,
+            _ => return Err(corrupt("partial response")),
+        };
+        Ok(Record {
+            id: RecordId {
+                tenant: row.tenant,
+                key_hash: row
+                    .key_hash
+                    .try_into()
+                    .map_err(|_| corrupt("bad key hash"))?,
+                route: row.route,
+            },
+            fingerprint: Fingerprint {
+                digest: row
+                    .fingerprint
+                    .try_into()
+                    .map_err(|_| corrupt("bad fingerprint"))?,
+                parts: FingerprintParts::from_bytes(&row.fingerprint_parts)
+                    .ok_or_else(|| corrupt("bad fingerprint parts"))?,
+            },
+            state,
+            token: row.token,
+            lease_expires_at: row.lease_expires_at.map(Timestamp),
+            response,
+            created_at: Timestamp(row.created_at),
+            updated_at: Timestamp(row.updated_at),
+            expires_at: Timestamp(row.expires_at),
+        })
+    }
+}
+
+/// Classifies a sqlx error. `is_busy` tells, from the database's own error code (never its
+/// message), whether a lock was not granted in time.
+pub fn classify_error(error: sqlx::Error, is_busy: impl Fn(&str) -> bool) -> StoreError {
+    use sqlx::Error as E;
+    match error {
+        E::Database(db) => {
+            if db.code().is_some_and(|c| is_busy(&c)) {
+                StoreError::Busy(Box::new(E::Database(db)))
+            } else if db
+                .code()
+                .is_some_and(|c| c.starts_with("08") || c == "57P01")
+            {
+                // SQLSTATE class 08: connection exception; 57P01: admin shutdown.
+                StoreError::Unavailable(Box::new(E::Database(db)))
+            } else {
+                StoreError::Database(Box::new(E::Database(db)))
+            }
+        }
+        E::Io(_)
+        | E::Tls(_)
+        | E::PoolTimedOut
+        | E::PoolClosed
+        | E::WorkerCrashed
+        | E::Protocol(_) => StoreError::Unavailable(Box::new(error)),
+        other => StoreError::Database(Box::new(other) as BoxError),
+    }
+}

@@ -1,0 +1,193 @@
+//! The store trait: the SQL primitives a backend provides.
+//!
+//! A store holds only SQL and row mapping. Every decision about a record is made by
+//! [`decide`](crate::decide) and carried out by the protocol in [`crate::protocol`]; each
+//! primitive here is one statement.
+//!
+//! Writes that follow a claim carry the owner's fencing token and are refused (they return
+//! `false`) when the record no longer carries it.
+
+use std::future::Future;
+use std::ops::DerefMut;
+use std::time::Duration;
+
+use crate::{NewRecord, Record, RecordId, RecordState, StoredResponse, Timestamp};
+
+/// A boxed error kept as the source of a [`StoreError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// An error from a store, classified by kind.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The database could not be reached (connect, pool time-out, I/O). Fail closed.
+    #[error("the idempotency store is unavailable")]
+    Unavailable(#[source] BoxError),
+    /// A lock was not granted in time: another attempt holds the key.
+    #[error("the idempotency store is busy: a lock was not granted in time")]
+    Busy(#[source] BoxError),
+    /// A stored row could not be read back as a record.
+    #[error("a stored idempotency record is malformed: {0}")]
+    Corrupt(String),
+    /// Any other database error.
+    #[error("idempotency store error")]
+    Database(#[source] BoxError),
+}
+
+/// Filters for [`Store::list`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListFilter {
+    /// Only this tenant's records.
+    pub tenant: Option<String>,
+    /// Only records in this state.
+    pub state: Option<RecordState>,
+    /// Only records created before this time.
+    pub created_before: Option<Timestamp>,
+    /// At most this many, newest first (0 means the default of 100).
+    pub limit: u32,
+}
+
+impl ListFilter {
+    /// The effective row limit.
+    pub fn effective_limit(&self) -> i64 {
+        if self.limit == 0 {
+            100
+        } else {
+            i64::from(self.limit)
+        }
+    }
+}
+
+/// The SQL primitives of an idempotency store.
+///
+/// `Connection` is the backend's connection type (`SqliteConnection`, `PgConnection`); a
+/// `Transaction` dereferences to it, so the claim and the caller's own effect share it.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// The backend's connection.
+    type Connection: Send;
+    /// A transaction that the caller owns and writes its effect on.
+    type Transaction: DerefMut<Target = Self::Connection> + Send;
+    /// A pooled connection, for statements that commit on their own.
+    type PooledConnection: DerefMut<Target = Self::Connection> + Send;
+
+    /// Starts a transaction.
+    fn begin(&self) -> impl Future<Output = Result<Self::Transaction, StoreError>> + Send;
+    /// Commits a transaction.
+    fn commit(&self, tx: Self::Transaction) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Bounds, for the rest of the transaction on `conn`, how long a claim waits for another
+    /// attempt that holds the same key. The default does nothing: the store's own bound
+    /// applies (SQLite's busy time-out).
+    fn limit_lock_wait(
+        &self,
+        conn: &mut Self::Connection,
+        wait: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (conn, wait);
+        async { Ok(()) }
+    }
+
+    /// Takes a connection from the pool (autocommit).
+    fn acquire(&self) -> impl Future<Output = Result<Self::PooledConnection, StoreError>> + Send;
+
+    /// The claim: inserts `record` unless the identity exists. `true`: the caller owns it.
+    fn insert(
+        &self,
+        conn: &mut Self::Connection,
+        record: &NewRecord,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Reads one record.
+    fn fetch(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+    ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
+
+    /// Overwrites the record with `record` if it still carries `token`, raising the token.
+    /// Returns the new token when it did.
+    fn replace(
+        &self,
+        conn: &mut Self::Connection,
+        record: &NewRecord,
+        token: i64,
+    ) -> impl Future<Output = Result<Option<i64>, StoreError>> + Send;
+
+    /// Stores the outcome: state `completed`, lease cleared, token raised.
+    fn complete(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Extends the lease.
+    fn renew(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+        token: i64,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Marks the point of no return: state `executing`, lease extended.
+    fn mark_executing(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+        token: i64,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Marks the outcome unknown: state `indeterminate`, lease cleared. The token is kept,
+    /// so an owner that does learn the outcome may still complete the record.
+    fn mark_indeterminate(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+        token: i64,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes the record if it still carries `token`: the key is free again.
+    fn release(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+        token: i64,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Records matching `filter`, newest first.
+    fn list(
+        &self,
+        conn: &mut Self::Connection,
+        filter: &ListFilter,
+    ) -> impl Future<Output = Result<Vec<Record>, StoreError>> + Send;
+
+    /// A tenant's records for one key hash, on every route.
+    fn find_by_key(
+        &self,
+        conn: &mut Self::Connection,
+        tenant: &str,
+        key_hash: &[u8; 32],
+    ) -> impl Future<Output = Result<Vec<Record>, StoreError>> + Send;
+
+    /// Deletes the record whatever its state (operator eviction).
+    fn evict(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Deletes at most `batch` records expired at `now`, skipping rows that live traffic has
+    /// locked. Returns how many it deleted.
+    fn purge_batch(
+        &self,
+        conn: &mut Self::Connection,
+        now: Timestamp,
+        batch: u32,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}

@@ -1,0 +1,48 @@
+//! Wall-clock time as stored in records: milliseconds since the Unix epoch.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// A point in time, in milliseconds since the Unix epoch (UTC).
+///
+/// Records store times as plain integers so that both stores compare them the same way.
+/// The application's clock is the reference; every store call takes `now` explicitly, which
+/// keeps expiry testable without sleeping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Timestamp(pub i64);
+
+impl Timestamp {
+    /// The current time from the system clock.
+    pub fn now() -> Self {
+        let ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
+        Self(ms)
+    }
+
+    /// Milliseconds since the epoch.
+    pub fn as_millis(self) -> i64 {
+        self.0
+    }
+
+    /// This time plus `d` (saturating).
+    pub fn plus(self, d: Duration) -> Self {
+        Self(
+            self.0
+                .saturating_add(d.as_millis().min(i64::MAX as u128) as i64),
+        )
+    }
+
+    /// This time minus `d` (saturating).
+    pub fn minus(self, d: Duration) -> Self {
+        Self(
+            self.0
+                .saturating_sub(d.as_millis().min(i64::MAX as u128) as i64),
+        )
+    }
+
+    /// The time from `self` until `later`, zero if `later` is not later.
+    pub fn until(self, later: Timestamp) -> Duration {
+        Duration::from_millis(later.0.saturating_sub(self.0).max(0) as u64)
+    }
+}

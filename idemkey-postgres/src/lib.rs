@@ -1,0 +1,20 @@
+//! # idemkey-postgres
+//!
+//! The PostgreSQL store for idemkey. It holds the SQL only; the claim protocol and every
+//! decision live in [`idemkey_core`].
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use idemkey_postgres::PgStore;
+//! let store = PgStore::connect("postgres://localhost/app", 16).await?;
+//! store.migrate().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! A concurrent claim of the same key blocks on the owner's uncommitted row until the owner
+//! commits (then it replays) or rolls back (then it owns the key). Claims of different keys
+//! never wait for each other.
+
+mod store;
+
+pub use self::store::PgStore;

@@ -1,0 +1,20 @@
+//! # idemkey-sqlite
+//!
+//! The SQLite store for idemkey, the embedded default. It holds the SQL only; the claim
+//! protocol and every decision live in [`idemkey_core`].
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use idemkey_sqlite::SqliteStore;
+//! let store = SqliteStore::connect("sqlite:idemkey.db").await?;
+//! store.migrate().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! SQLite serializes writers: a claim takes the database's write lock, and a concurrent
+//! claim of any key waits for it (up to the busy time-out, 5 s by default, then answers
+//! "in flight"). Each claim transaction should therefore be short.
+
+mod store;
+
+pub use self::store::SqliteStore;

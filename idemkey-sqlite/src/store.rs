@@ -1,0 +1,365 @@
+use std::str::FromStr;
+use std::time::Duration;
+
+use idemkey_core::{
+    ListFilter, NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse,
+    Timestamp, classify_error,
+};
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::pool::PoolConnection;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteSynchronous,
+};
+use sqlx::{Sqlite, Transaction};
+
+/// An idempotency store in a SQLite database.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+impl SqliteStore {
+    /// The name of this crate's migration tracking table.
+    pub const MIGRATIONS_TABLE: &'static str = "idemkey_migrations";
+
+    /// A store on an existing pool. The pool should use WAL and a busy time-out, as
+    /// [`connect`](Self::connect) sets up.
+    pub fn new(pool: SqlitePool) -> Self {
+        Self { pool }
+    }
+
+    /// Opens (creating if missing) the database at `url` (`sqlite:path.db`), in WAL mode with
+    /// a 5 s busy time-out.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(error)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await
+            .map_err(error)?;
+        Ok(Self::new(pool))
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// This store's migrations, tracked in [`MIGRATIONS_TABLE`](Self::MIGRATIONS_TABLE) so
+    /// they share a database with the application's own.
+    pub fn migrator() -> Migrator {
+        let mut migrator = sqlx::migrate!("./migrations");
+        migrator.dangerous_set_table_name(Self::MIGRATIONS_TABLE);
+        migrator
+    }
+
+    /// Runs the pending migrations.
+    pub async fn migrate(&self) -> Result<(), MigrateError> {
+        Self::migrator().run(&self.pool).await
+    }
+}
+
+/// SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes.
+fn is_busy(code: &str) -> bool {
+    code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6))
+}
+
+fn error(e: sqlx::Error) -> StoreError {
+    classify_error(e, is_busy)
+}
+
+fn record(row: RecordRow) -> Result<Record, StoreError> {
+    Record::try_from(row)
+}
+
+impl Store for SqliteStore {
+    type Connection = SqliteConnection;
+    type Transaction = Transaction<'static, Sqlite>;
+    type PooledConnection = PoolConnection<Sqlite>;
+
+    async fn begin(&self) -> Result<Self::Transaction, StoreError> {
+        // IMMEDIATE: take the write lock now, waiting (busy time-out) behind another claim,
+        // rather than fail later when a read transaction tries to upgrade.
+        self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(error)
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
+        tx.commit().await.map_err(error)
+    }
+
+    async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {
+        self.pool.acquire().await.map_err(error)
+    }
+
+    async fn insert(&self, conn: &mut SqliteConnection, r: &NewRecord) -> Result<bool, StoreError> {
+        let row: Option<i64> = sqlx::query_scalar(
+            "INSERT INTO idemkey_records
+                 (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
+                  lease_expires_at, created_at, updated_at, expires_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1, ?7, ?8, ?8, ?9)
+             ON CONFLICT (tenant, key_hash, route) DO NOTHING
+             RETURNING token",
+        )
+        .bind(&r.id.tenant)
+        .bind(&r.id.key_hash[..])
+        .bind(&r.id.route)
+        .bind(&r.fingerprint.digest[..])
+        .bind(&r.fingerprint.parts.to_bytes()[..])
+        .bind(r.state.as_str())
+        .bind(r.lease_expires_at.map(Timestamp::as_millis))
+        .bind(r.now.as_millis())
+        .bind(r.expires_at.as_millis())
+        .fetch_optional(conn)
+        .await
+        .map_err(error)?;
+        Ok(row.is_some())
+    }
+
+    async fn fetch(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &RecordId,
+    ) -> Result<Option<Record>, StoreError> {
+        sqlx::query_as::<_, RecordRow>(
+            "SELECT * FROM idemkey_records WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3",
+        )
+        .bind(&id.tenant)
+        .bind(&id.key_hash[..])
+        .bind(&id.route)
+        .fetch_optional(conn)
+        .await
+        .map_err(error)?
+        .map(record)
+        .transpose()
+    }
+
+    async fn replace(
+        &self,
+        conn: &mut SqliteConnection,
+        r: &NewRecord,
+        token: i64,
+    ) -> Result<Option<i64>, StoreError> {
+        sqlx::query_scalar(
+            "UPDATE idemkey_records
+                SET fingerprint = ?4, fingerprint_parts = ?5, state = ?6, token = token + 1,
+                    lease_expires_at = ?7, response_status = NULL, response_headers = NULL,
+                    response_body = NULL, created_at = ?8, updated_at = ?8, expires_at = ?9
+              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?10
+             RETURNING token",
+        )
+        .bind(&r.id.tenant)
+        .bind(&r.id.key_hash[..])
+        .bind(&r.id.route)
+        .bind(&r.fingerprint.digest[..])
+        .bind(&r.fingerprint.parts.to_bytes()[..])
+        .bind(r.state.as_str())
+        .bind(r.lease_expires_at.map(Timestamp::as_millis))
+        .bind(r.now.as_millis())
+        .bind(r.expires_at.as_millis())
+        .bind(token)
+        .fetch_optional(conn)
+        .await
+        .map_err(error)
+    }
+
+    async fn complete(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE idemkey_records
+                SET state = 'completed', token = token + 1, lease_expires_at = NULL,
+                    response_status = ?5, response_headers = ?6, response_body = ?7,
+                    updated_at = ?8
+              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4",
+        )
+        .bind(&id.tenant)
+        .bind(&id.key_hash[..])
+        .bind(&id.route)
+        .bind(token)
+        .bind(i32::from(response.status))
+        .bind(response.encode_headers())
+        .bind(&response.body[..])
+        .bind(now.as_millis())
+        .execute(conn)
+        .await
+        .map_err(error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn renew(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &RecordId,
+        token: i64,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE idemkey_records SET lease_expires_at = ?5, updated_at = ?6
+              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4",
+        )
+        .bind(&id.tenant)
+        .bind(&id.key_hash[..])
+        .bind(&id.route)
+        .bind(token)
+        .bind(lease_until.as_millis())
+        .bind(now.as_millis())
+        .execute(conn)
+        .await
+        .map_err(error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn mark_executing(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &RecordId,
+        token: i64,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE idemkey_records
+                SET state = 'executing', lease_expires_at = ?5, updated_at = ?6
+              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4",
+        )
+        .bind(&id.tenant)
+        .bind(&id.key_hash[..])
+        .bind(&id.route)
+        .bind(token)
+        .bind(lease_until.as_millis())
+        .bind(now.as_millis())
+        .execute(conn)
+        .await
+        .map_err(error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn mark_indeterminate(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &RecordId,
+        token: i64,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE idemkey_records
+                SET state = 'indeterminate', lease_expires_at = NULL, updated_at = ?5
+              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4",
+        )
+        .bind(&id.tenant)
+        .bind(&id.key_hash[..])
+        .bind(&id.route)
+        .bind(token)
+        .bind(now.as_millis())
+        .execute(conn)
+        .await
+        .map_err(error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &RecordId,
+        token: i64,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM idemkey_records
+              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4",
+        )
+        .bind(&id.tenant)
+        .bind(&id.key_hash[..])
+        .bind(&id.route)
+        .bind(token)
+        .execute(conn)
+        .await
+        .map_err(error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn list(
+        &self,
+        conn: &mut SqliteConnection,
+        filter: &ListFilter,
+    ) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query_as::<_, RecordRow>(
+            "SELECT * FROM idemkey_records
+              WHERE (?1 IS NULL OR tenant = ?1)
+                AND (?2 IS NULL OR state = ?2)
+                AND (?3 IS NULL OR created_at < ?3)
+              ORDER BY created_at DESC
+              LIMIT ?4",
+        )
+        .bind(filter.tenant.as_deref())
+        .bind(filter.state.map(|s| s.as_str()))
+        .bind(filter.created_before.map(Timestamp::as_millis))
+        .bind(filter.effective_limit())
+        .fetch_all(conn)
+        .await
+        .map_err(error)?;
+        rows.into_iter().map(record).collect()
+    }
+
+    async fn find_by_key(
+        &self,
+        conn: &mut SqliteConnection,
+        tenant: &str,
+        key_hash: &[u8; 32],
+    ) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query_as::<_, RecordRow>(
+            "SELECT * FROM idemkey_records WHERE tenant = ?1 AND key_hash = ?2
+              ORDER BY created_at",
+        )
+        .bind(tenant)
+        .bind(&key_hash[..])
+        .fetch_all(conn)
+        .await
+        .map_err(error)?;
+        rows.into_iter().map(record).collect()
+    }
+
+    async fn evict(&self, conn: &mut SqliteConnection, id: &RecordId) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM idemkey_records WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3",
+        )
+        .bind(&id.tenant)
+        .bind(&id.key_hash[..])
+        .bind(&id.route)
+        .execute(conn)
+        .await
+        .map_err(error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn purge_batch(
+        &self,
+        conn: &mut SqliteConnection,
+        now: Timestamp,
+        batch: u32,
+    ) -> Result<u64, StoreError> {
+        // SQLite has one writer at a time, so there are no locked rows to skip; a small
+        // batch keeps the write lock short.
+        let done = sqlx::query(
+            "DELETE FROM idemkey_records WHERE rowid IN
+                (SELECT rowid FROM idemkey_records WHERE expires_at <= ?1 LIMIT ?2)",
+        )
+        .bind(now.as_millis())
+        .bind(i64::from(batch))
+        .execute(conn)
+        .await
+        .map_err(error)?;
+        Ok(done.rows_affected())
+    }
+}

@@ -1,0 +1,702 @@
+//! The conformance suite: one set of behaviours every store must show, run against each
+//! store by [`conformance_tests!`](crate::conformance_tests) on a fresh database per test.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease, Resolution};
+use idemkey_core::{
+    Fingerprint, FingerprintParts, IdempotencyKey, KeyHasher, ListFilter, RecordId, RecordState,
+    Scope, Store, StoredResponse, Timestamp,
+};
+use tokio::sync::Barrier;
+
+/// A store under test, on its own fresh database, with a table of effects the tests write
+/// next to their claims.
+pub trait Harness: Send + Sync + 'static {
+    /// The store under test.
+    type Store: Store;
+
+    /// The store (migrated).
+    fn store(&self) -> &Self::Store;
+
+    /// Writes one effect row labelled `label` on `conn` (the claim's transaction).
+    fn write_effect<'a>(
+        &'a self,
+        conn: &'a mut <Self::Store as Store>::Connection,
+        label: &'a str,
+    ) -> impl Future<Output = ()> + Send + 'a;
+
+    /// How many effect rows are committed.
+    fn count_effects(&self) -> impl Future<Output = i64> + Send + '_;
+
+    /// Ends the transaction's database session abruptly, as a crashed client would leave it
+    /// (for PostgreSQL: the server terminates the backend), without committing.
+    fn sever(
+        &self,
+        tx: <Self::Store as Store>::Transaction,
+    ) -> impl Future<Output = ()> + Send + '_;
+}
+
+const RETENTION: Duration = Duration::from_secs(24 * 3600);
+const HOUR: Duration = Duration::from_secs(3600);
+
+fn hasher() -> KeyHasher {
+    KeyHasher::new(b"conformance-secret")
+}
+
+fn id(tenant: &str, route: &str, key: &str) -> RecordId {
+    let key = IdempotencyKey::parse(key.as_bytes()).expect("test keys are valid");
+    hasher().record_id(&Scope::new(tenant, "POST", route), &key)
+}
+
+fn fp(body: u8) -> Fingerprint {
+    Fingerprint {
+        digest: [body; 32],
+        parts: FingerprintParts {
+            params: [0; 8],
+            query: [0; 8],
+            body: [body; 8],
+        },
+    }
+}
+
+fn claim_at(id: &RecordId, body: u8, now: Timestamp) -> Claim {
+    Claim {
+        id: id.clone(),
+        fingerprint: fp(body),
+        now,
+        retention: RETENTION,
+    }
+}
+
+fn response(body: &str) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![
+            ("content-type".into(), b"application/json".to_vec()),
+            ("location".into(), b"/v1/things/1".to_vec()),
+        ],
+        body: body.as_bytes().to_vec(),
+    }
+}
+
+/// Claims `claim` in a transaction; when it owns the key, writes an effect labelled
+/// `label`, completes with `body` and commits. Returns what the claim answered.
+async fn run_once<H: Harness>(h: &H, claim: &Claim, label: &str, body: &str) -> ClaimOutcome {
+    let store = h.store();
+    let mut tx = store.begin().await.expect("begin");
+    let outcome = protocol::claim(store, &mut tx, claim).await.expect("claim");
+    if let ClaimOutcome::Owned { token, .. } = outcome {
+        h.write_effect(&mut tx, label).await;
+        protocol::complete(store, &mut tx, &claim.id, token, &response(body))
+            .await
+            .expect("complete");
+    }
+    store.commit(tx).await.expect("commit");
+    outcome
+}
+
+async fn fetch<H: Harness>(h: &H, id: &RecordId) -> Option<idemkey_core::Record> {
+    let mut conn = h.store().acquire().await.expect("acquire");
+    h.store().fetch(&mut conn, id).await.expect("fetch")
+}
+
+/// A fresh key is owned; the retry replays the stored response byte for byte.
+pub async fn claims_fresh_key_then_replays<H: Harness>(h: H) {
+    let id = id("t1", "/v1/payments", "k-1");
+    let now = Timestamp::now();
+    let first = run_once(&h, &claim_at(&id, 1, now), "k-1", "{\"id\":1}").await;
+    assert!(
+        matches!(first, ClaimOutcome::Owned { token: 1, .. }),
+        "{first:?}"
+    );
+    let again = run_once(&h, &claim_at(&id, 1, now), "k-1", "{\"id\":2}").await;
+    assert_eq!(
+        again,
+        ClaimOutcome::Replay {
+            response: response("{\"id\":1}"),
+            expires_at: now.plus(RETENTION),
+        }
+    );
+    assert_eq!(h.count_effects().await, 1);
+    let record = fetch(&h, &id).await.expect("record exists");
+    assert_eq!(record.state, RecordState::Completed);
+}
+
+/// The same key with another request is refused, naming the part that differs.
+pub async fn rejects_mismatched_fingerprint<H: Harness>(h: H) {
+    let id = id("t1", "/v1/payments", "k-1");
+    let now = Timestamp::now();
+    run_once(&h, &claim_at(&id, 1, now), "k-1", "{}").await;
+    let other = run_once(&h, &claim_at(&id, 2, now), "k-1", "{}").await;
+    match other {
+        ClaimOutcome::Mismatch(m) => assert!(m.body && !m.params && !m.query),
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+    assert_eq!(h.count_effects().await, 1);
+}
+
+/// 64 tasks claim one key at once: exactly one owns it, and every other one replays the
+/// owner's response (or was told it is in flight).
+pub async fn one_of_64_concurrent_claims_owns_the_key<H: Harness>(h: H) {
+    let h = Arc::new(h);
+    let barrier = Arc::new(Barrier::new(64));
+    let id = id("t1", "/v1/payments", "contended");
+    let now = Timestamp::now();
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let (h, barrier, claim) = (h.clone(), barrier.clone(), claim_at(&id, 1, now));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                run_once(&*h, &claim, "contended", &format!("{{\"winner\":{i}}}")).await
+            })
+        })
+        .collect();
+    let mut owners = 0;
+    let mut replayed = Vec::new();
+    for task in tasks {
+        match task.await.expect("task") {
+            ClaimOutcome::Owned { .. } => owners += 1,
+            ClaimOutcome::Replay { response, .. } => replayed.push(response.body),
+            ClaimOutcome::InFlight { .. } => {}
+            other => panic!("unexpected outcome {other:?}"),
+        }
+    }
+    assert_eq!(owners, 1, "exactly one claimant owns the key");
+    assert_eq!(h.count_effects().await, 1);
+    let stored = fetch(&*h, &id)
+        .await
+        .expect("record")
+        .response
+        .expect("response");
+    assert!(
+        replayed.iter().all(|b| *b == stored.body),
+        "replays are the stored body"
+    );
+}
+
+/// 200 keys × 16 concurrent claimants, each writing its effect in its own transaction:
+/// exactly 200 effects and 200 completed records.
+pub async fn two_hundred_keys_sixteen_claimants_one_effect_each<H: Harness>(h: H) {
+    const KEYS: usize = 200;
+    const CLAIMANTS: usize = 16;
+    let h = Arc::new(h);
+    let barrier = Arc::new(Barrier::new(KEYS * CLAIMANTS));
+    let now = Timestamp::now();
+    let mut tasks = Vec::new();
+    for k in 0..KEYS {
+        for _ in 0..CLAIMANTS {
+            let (h, barrier) = (h.clone(), barrier.clone());
+            let key = format!("key-{k}");
+            let claim = claim_at(&id("t1", "/v1/payments", &key), 1, now);
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let outcome = run_once(&*h, &claim, &key, &format!("{{\"key\":\"{key}\"}}")).await;
+                (key, outcome)
+            }));
+        }
+    }
+    let mut owners: HashMap<String, usize> = HashMap::new();
+    for task in tasks {
+        let (key, outcome) = task.await.expect("task");
+        match outcome {
+            ClaimOutcome::Owned { .. } => *owners.entry(key).or_default() += 1,
+            ClaimOutcome::Replay { response, .. } => {
+                assert_eq!(response.body, format!("{{\"key\":\"{key}\"}}").into_bytes())
+            }
+            ClaimOutcome::InFlight { .. } => {}
+            other => panic!("unexpected outcome {other:?}"),
+        }
+    }
+    assert_eq!(owners.len(), KEYS, "every key was executed");
+    assert!(
+        owners.values().all(|&n| n == 1),
+        "no key was executed twice"
+    );
+    assert_eq!(h.count_effects().await, KEYS as i64);
+    let mut conn = h.store().acquire().await.expect("acquire");
+    let completed = h
+        .store()
+        .list(
+            &mut conn,
+            &ListFilter {
+                state: Some(RecordState::Completed),
+                limit: 10_000,
+                ..ListFilter::default()
+            },
+        )
+        .await
+        .expect("list");
+    assert_eq!(completed.len(), KEYS);
+}
+
+/// An owner that rolls back leaves neither record nor effect; the next claim owns the key.
+pub async fn rolled_back_owner_leaves_nothing<H: Harness>(h: H) {
+    let store = h.store();
+    let id = id("t1", "/v1/payments", "k-rb");
+    let claim = claim_at(&id, 1, Timestamp::now());
+    let mut tx = store.begin().await.expect("begin");
+    let outcome = protocol::claim(store, &mut tx, &claim)
+        .await
+        .expect("claim");
+    assert!(matches!(outcome, ClaimOutcome::Owned { .. }));
+    h.write_effect(&mut tx, "k-rb").await;
+    drop(tx); // rolled back
+    assert!(fetch(&h, &id).await.is_none());
+    assert_eq!(h.count_effects().await, 0);
+    let next = run_once(&h, &claim, "k-rb", "{}").await;
+    assert!(matches!(next, ClaimOutcome::Owned { .. }), "{next:?}");
+    assert_eq!(h.count_effects().await, 1);
+}
+
+/// An owner whose session dies mid-transaction leaves neither record nor effect.
+pub async fn severed_owner_leaves_nothing<H: Harness>(h: H) {
+    let store = h.store();
+    let id = id("t1", "/v1/payments", "k-sever");
+    let claim = claim_at(&id, 1, Timestamp::now());
+    let mut tx = store.begin().await.expect("begin");
+    let outcome = protocol::claim(store, &mut tx, &claim)
+        .await
+        .expect("claim");
+    assert!(matches!(outcome, ClaimOutcome::Owned { .. }));
+    h.write_effect(&mut tx, "k-sever").await;
+    h.sever(tx).await;
+    assert!(fetch(&h, &id).await.is_none());
+    assert_eq!(h.count_effects().await, 0);
+    let next = run_once(&h, &claim, "k-sever", "{}").await;
+    assert!(matches!(next, ClaimOutcome::Owned { .. }), "{next:?}");
+}
+
+/// An owner task cancelled mid-transaction (a dropped connection in a server) leaves
+/// nothing, and a waiting claimant then owns the key.
+pub async fn cancelled_owner_task_leaves_nothing<H: Harness>(h: H) {
+    let h = Arc::new(h);
+    let id = id("t1", "/v1/payments", "k-cancel");
+    let claim = claim_at(&id, 1, Timestamp::now());
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let owner = {
+        let (h, claim) = (h.clone(), claim.clone());
+        tokio::spawn(async move {
+            let store = h.store();
+            let mut tx = store.begin().await.expect("begin");
+            let outcome = protocol::claim(store, &mut tx, &claim)
+                .await
+                .expect("claim");
+            assert!(matches!(outcome, ClaimOutcome::Owned { .. }));
+            h.write_effect(&mut tx, "k-cancel").await;
+            ready_tx.send(()).ok();
+            std::future::pending::<()>().await;
+        })
+    };
+    ready_rx.await.expect("owner claimed");
+    owner.abort();
+    assert!(owner.await.expect_err("aborted").is_cancelled());
+    let next = run_once(&*h, &claim, "k-cancel", "{}").await;
+    assert!(matches!(next, ClaimOutcome::Owned { .. }), "{next:?}");
+    assert_eq!(h.count_effects().await, 1);
+}
+
+/// A write with a stale token is refused.
+pub async fn stale_token_cannot_complete<H: Harness>(h: H) {
+    let store = h.store();
+    let id = id("t1", "/v1/payments", "k-stale");
+    let mut tx = store.begin().await.expect("begin");
+    let outcome = protocol::claim(store, &mut tx, &claim_at(&id, 1, Timestamp::now()))
+        .await
+        .expect("claim");
+    let ClaimOutcome::Owned { token, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    let refused = protocol::complete(store, &mut tx, &id, token + 1, &response("{}")).await;
+    assert!(
+        matches!(refused, Err(protocol::Error::Fenced)),
+        "{refused:?}"
+    );
+    protocol::complete(store, &mut tx, &id, token, &response("{}"))
+        .await
+        .expect("the owner's token completes");
+    store.commit(tx).await.expect("commit");
+}
+
+/// Expired records are never replayed, and the key can be claimed anew (the work runs
+/// again: the documented limit of retention).
+pub async fn expired_record_is_claimed_anew<H: Harness>(h: H) {
+    let id = id("t1", "/v1/payments", "k-old");
+    let then = Timestamp::now().minus(RETENTION + HOUR);
+    run_once(&h, &claim_at(&id, 1, then), "k-old", "{\"n\":1}").await;
+    let now = Timestamp::now();
+    // Even a different request may use the key once the old record expired.
+    let again = run_once(&h, &claim_at(&id, 2, now), "k-old-2", "{\"n\":2}").await;
+    assert!(matches!(again, ClaimOutcome::Owned { .. }), "{again:?}");
+    let replay = run_once(&h, &claim_at(&id, 2, now), "k-old-3", "{}").await;
+    assert!(
+        matches!(&replay, ClaimOutcome::Replay { response, .. } if response.body == b"{\"n\":2}"),
+        "{replay:?}"
+    );
+    assert_eq!(h.count_effects().await, 2);
+}
+
+/// Purge deletes expired records only, in batches of the configured size.
+pub async fn purge_removes_expired_records_in_batches<H: Harness>(h: H) {
+    let store = h.store();
+    let old = Timestamp::now().minus(RETENTION + HOUR);
+    for i in 0..25 {
+        let id = id("t1", "/v1/payments", &format!("old-{i}"));
+        run_once(&h, &claim_at(&id, 1, old), "old", "{}").await;
+    }
+    for i in 0..5 {
+        let id = id("t1", "/v1/payments", &format!("new-{i}"));
+        run_once(&h, &claim_at(&id, 1, Timestamp::now()), "new", "{}").await;
+    }
+    let now = Timestamp::now();
+    let mut conn = store.acquire().await.expect("acquire");
+    assert_eq!(
+        store.purge_batch(&mut conn, now, 10).await.expect("purge"),
+        10
+    );
+    drop(conn);
+    assert_eq!(
+        protocol::purge_expired(store, now, 10)
+            .await
+            .expect("purge"),
+        15
+    );
+    let mut conn = store.acquire().await.expect("acquire");
+    let left = store
+        .list(&mut conn, &ListFilter::default())
+        .await
+        .expect("list");
+    assert_eq!(left.len(), 5);
+    assert!(left.iter().all(|r| !r.is_expired(now)));
+}
+
+/// The same key in two tenants, or on two routes, names two independent records.
+pub async fn scopes_are_independent<H: Harness>(h: H) {
+    let now = Timestamp::now();
+    for (tenant, route) in [("t1", "/a"), ("t2", "/a"), ("t1", "/b")] {
+        let id = id(tenant, route, "shared-key");
+        let outcome = run_once(&h, &claim_at(&id, 1, now), tenant, "{}").await;
+        assert!(
+            matches!(outcome, ClaimOutcome::Owned { .. }),
+            "{tenant} {route}: {outcome:?}"
+        );
+    }
+    assert_eq!(h.count_effects().await, 3);
+    let mut conn = h.store().acquire().await.expect("acquire");
+    let key = IdempotencyKey::parse(b"shared-key").expect("key");
+    let t1 = h
+        .store()
+        .find_by_key(&mut conn, "t1", &hasher().key_hash("t1", &key))
+        .await
+        .expect("find");
+    assert_eq!(t1.len(), 2, "t1 has the key on two routes");
+    assert!(t1.iter().all(|r| r.id.tenant == "t1"));
+}
+
+/// External mode: a reservation commits at once and holds off other attempts while its
+/// lease lives; the owner completes with its token and retries replay.
+pub async fn reservation_holds_the_key_while_leased<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let id = id("t1", "/v1/transfers", "k-ext");
+    let now = Timestamp::now();
+    let lease = Duration::from_secs(30);
+    let first = protocol::reserve(&store, &claim_at(&id, 1, now), lease)
+        .await
+        .expect("reserve");
+    let ClaimOutcome::Owned { token, .. } = first else {
+        panic!("{first:?}")
+    };
+    let second = protocol::reserve(&store, &claim_at(&id, 1, now), lease)
+        .await
+        .expect("reserve");
+    assert_eq!(
+        second,
+        ClaimOutcome::InFlight {
+            lease_expires_at: Some(now.plus(lease))
+        }
+    );
+    let owner = Lease::new(store.clone(), id.clone(), token, lease);
+    owner.renew().await.expect("renew");
+    owner
+        .point_of_no_return()
+        .await
+        .expect("point of no return");
+    owner
+        .complete(&response("{\"ok\":true}"))
+        .await
+        .expect("complete");
+    let third = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+        .await
+        .expect("reserve");
+    assert!(matches!(third, ClaimOutcome::Replay { .. }), "{third:?}");
+}
+
+/// A lapsed lease before the point of no return is taken over; the stale owner can then
+/// neither renew, pass the point of no return, complete nor release.
+pub async fn takeover_before_point_of_no_return_fences_the_stale_owner<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let id = id("t1", "/v1/transfers", "k-takeover");
+    let lease = Duration::from_secs(30);
+    let then = Timestamp::now().minus(HOUR);
+    let ClaimOutcome::Owned { token: stale, .. } =
+        protocol::reserve(&store, &claim_at(&id, 1, then), lease)
+            .await
+            .expect("reserve")
+    else {
+        panic!("first reservation must own the key")
+    };
+    // The first owner's lease lapsed an hour ago: the next attempt takes over.
+    let outcome = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+        .await
+        .expect("reserve");
+    let ClaimOutcome::Owned { token: fresh, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(fresh > stale);
+    let stale_owner = Lease::new(store.clone(), id.clone(), stale, lease);
+    assert!(matches!(
+        stale_owner.renew().await,
+        Err(protocol::Error::Fenced)
+    ));
+    assert!(matches!(
+        stale_owner.point_of_no_return().await,
+        Err(protocol::Error::Fenced)
+    ));
+    assert!(matches!(
+        stale_owner
+            .clone()
+            .complete(&response("{\"stale\":true}"))
+            .await,
+        Err(protocol::Error::Fenced)
+    ));
+    assert!(matches!(
+        stale_owner.release().await,
+        Err(protocol::Error::Fenced)
+    ));
+    Lease::new(store.clone(), id.clone(), fresh, lease)
+        .complete(&response("{\"fresh\":true}"))
+        .await
+        .expect("the new owner completes");
+    let record = fetch(&h, &id).await.expect("record");
+    assert_eq!(record.response.expect("response").body, b"{\"fresh\":true}");
+}
+
+/// A lapsed lease after the point of no return makes the record indeterminate; it is never
+/// handed out for execution again until an operator resolves it.
+pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let id = id("t1", "/v1/transfers", "k-unknown");
+    let lease = Duration::from_secs(30);
+    let ClaimOutcome::Owned { token, .. } =
+        protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+            .await
+            .expect("reserve")
+    else {
+        panic!("must own the key")
+    };
+    Lease::new(store.clone(), id.clone(), token, lease)
+        .point_of_no_return()
+        .await
+        .expect("point of no return");
+    // Seen from an hour later, the owner's lease has lapsed after the point of no return.
+    let later = Timestamp::now().plus(HOUR);
+    for _ in 0..3 {
+        let outcome = protocol::reserve(&store, &claim_at(&id, 1, later), lease)
+            .await
+            .expect("reserve");
+        assert_eq!(outcome, ClaimOutcome::OutcomeUnknown);
+    }
+    let record = fetch(&h, &id).await.expect("record");
+    assert_eq!(record.state, RecordState::Indeterminate);
+    let mut conn = store.acquire().await.expect("acquire");
+    let listed = store
+        .list(
+            &mut conn,
+            &ListFilter {
+                state: Some(RecordState::Indeterminate),
+                ..ListFilter::default()
+            },
+        )
+        .await
+        .expect("list");
+    assert_eq!(listed.len(), 1);
+    drop(conn);
+
+    protocol::resolve(
+        &store,
+        &id,
+        &Resolution::Completed(response("{\"settled\":1}")),
+    )
+    .await
+    .expect("resolve");
+    let outcome = protocol::reserve(&store, &claim_at(&id, 1, later), lease)
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(&outcome, ClaimOutcome::Replay { response, .. } if response.body == b"{\"settled\":1}"),
+        "{outcome:?}"
+    );
+    // The stale owner cannot overwrite the operator's answer.
+    let late = Lease::new(store.clone(), id.clone(), token, lease)
+        .complete(&response("{\"late\":1}"))
+        .await;
+    assert!(matches!(late, Err(protocol::Error::Fenced)), "{late:?}");
+    // Resolving a completed record is refused.
+    let again = protocol::resolve(&store, &id, &Resolution::Released).await;
+    assert!(
+        matches!(again, Err(protocol::Error::NotIndeterminate(_))),
+        "{again:?}"
+    );
+}
+
+/// An operator may release an indeterminate operation; the next attempt executes it.
+pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let id = id("t1", "/v1/transfers", "k-release");
+    let lease = Duration::from_secs(30);
+    let ClaimOutcome::Owned { token, .. } =
+        protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+            .await
+            .expect("reserve")
+    else {
+        panic!("must own the key")
+    };
+    let owner = Lease::new(store.clone(), id.clone(), token, lease);
+    owner
+        .point_of_no_return()
+        .await
+        .expect("point of no return");
+    owner.indeterminate().await.expect("indeterminate");
+    let outcome = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+        .await
+        .expect("reserve");
+    assert_eq!(outcome, ClaimOutcome::OutcomeUnknown);
+    protocol::resolve(&store, &id, &Resolution::Released)
+        .await
+        .expect("resolve");
+    let outcome = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+        .await
+        .expect("reserve");
+    assert!(matches!(outcome, ClaimOutcome::Owned { .. }), "{outcome:?}");
+}
+
+/// A released reservation (nothing was sent) frees the key at once.
+pub async fn released_reservation_frees_the_key<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let id = id("t1", "/v1/transfers", "k-free");
+    let lease = Duration::from_secs(30);
+    let ClaimOutcome::Owned { token, .. } =
+        protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+            .await
+            .expect("reserve")
+    else {
+        panic!("must own the key")
+    };
+    Lease::new(store.clone(), id.clone(), token, lease)
+        .release()
+        .await
+        .expect("release");
+    assert!(fetch(&h, &id).await.is_none());
+    let outcome = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+        .await
+        .expect("reserve");
+    assert!(matches!(outcome, ClaimOutcome::Owned { .. }), "{outcome:?}");
+}
+
+/// Operators list by tenant, state and age, and evict a record.
+pub async fn operator_queries_list_and_evict<H: Harness>(h: H) {
+    let store = h.store();
+    let base = Timestamp::now().minus(HOUR);
+    for (i, tenant) in ["t1", "t1", "t2"].iter().enumerate() {
+        let id = id(tenant, "/v1/payments", &format!("op-{i}"));
+        let at = base.plus(Duration::from_secs(60 * i as u64));
+        run_once(&h, &claim_at(&id, 1, at), "op", "{}").await;
+    }
+    let mut conn = store.acquire().await.expect("acquire");
+    let t1 = store
+        .list(
+            &mut conn,
+            &ListFilter {
+                tenant: Some("t1".into()),
+                ..ListFilter::default()
+            },
+        )
+        .await
+        .expect("list");
+    assert_eq!(t1.len(), 2);
+    assert!(t1[0].created_at > t1[1].created_at, "newest first");
+    let older = store
+        .list(
+            &mut conn,
+            &ListFilter {
+                created_before: Some(base.plus(Duration::from_secs(90))),
+                ..ListFilter::default()
+            },
+        )
+        .await
+        .expect("list");
+    assert_eq!(older.len(), 2);
+    let limited = store
+        .list(
+            &mut conn,
+            &ListFilter {
+                limit: 1,
+                ..ListFilter::default()
+            },
+        )
+        .await
+        .expect("list");
+    assert_eq!(limited.len(), 1);
+    let victim = id("t2", "/v1/payments", "op-2");
+    assert!(store.evict(&mut conn, &victim).await.expect("evict"));
+    assert!(!store.evict(&mut conn, &victim).await.expect("evict"));
+    assert!(
+        store
+            .fetch(&mut conn, &victim)
+            .await
+            .expect("fetch")
+            .is_none()
+    );
+}
+
+/// Generates one `#[tokio::test]` per conformance behaviour. `$harness` is an expression
+/// (usually an `async` block) that yields a fresh [`Harness`] for each test.
+///
+/// ```ignore
+/// idemkey_testkit::conformance_tests!(SqliteHarness::new());
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    ($harness:expr) => {
+        $crate::conformance_tests!(@each $harness;
+            claims_fresh_key_then_replays,
+            rejects_mismatched_fingerprint,
+            one_of_64_concurrent_claims_owns_the_key,
+            two_hundred_keys_sixteen_claimants_one_effect_each,
+            rolled_back_owner_leaves_nothing,
+            severed_owner_leaves_nothing,
+            cancelled_owner_task_leaves_nothing,
+            stale_token_cannot_complete,
+            expired_record_is_claimed_anew,
+            purge_removes_expired_records_in_batches,
+            scopes_are_independent,
+            reservation_holds_the_key_while_leased,
+            takeover_before_point_of_no_return_fences_the_stale_owner,
+            lapsed_lease_after_point_of_no_return_turns_indeterminate,
+            released_indeterminate_record_executes_again,
+            released_reservation_frees_the_key,
+            operator_queries_list_and_evict
+        );
+    };
+    (@each $harness:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                $crate::conformance::$name($harness.await).await;
+            }
+        )*
+    };
+}
