@@ -29,15 +29,29 @@ impl SqliteStore {
         Self { pool }
     }
 
+    /// The busy time-out of [`connect`](Self::connect): how long a claim waits for the write
+    /// lock before it answers "in flight".
+    pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
     /// Opens (creating if missing) the database at `url` (`sqlite:path.db`), in WAL mode with
     /// a 5 s busy time-out.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::connect_with_busy_timeout(url, Self::DEFAULT_BUSY_TIMEOUT).await
+    }
+
+    /// Like [`connect`](Self::connect), with another busy time-out. SQLite serializes writers,
+    /// so this bounds how long any claim waits, whichever key holds the lock: it is the
+    /// SQLite form of the in-flight wait bound.
+    pub async fn connect_with_busy_timeout(
+        url: &str,
+        busy_timeout: Duration,
+    ) -> Result<Self, StoreError> {
         let options = SqliteConnectOptions::from_str(url)
             .map_err(error)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(5));
+            .busy_timeout(busy_timeout);
         let pool = SqlitePoolOptions::new()
             .max_connections(8)
             .connect_with(options)

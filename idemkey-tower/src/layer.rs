@@ -1,0 +1,179 @@
+//! The layer and its per-route configuration.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::HeaderName;
+use idemkey_core::{FingerprintSpec, KeyHasher};
+use tower_layer::Layer;
+
+use crate::{
+    DefaultStorePolicy, IdempotencyService, InFlightPolicy, KeyRequirement, Metrics, StorePolicy,
+};
+
+/// Where the status resource lives; a key's URL is this prefix plus the encoded key.
+pub const STATUS_PATH: &str = "/idempotency/v1/keys";
+
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) hasher: KeyHasher,
+    pub(crate) requirement: KeyRequirement,
+    pub(crate) in_flight: InFlightPolicy,
+    pub(crate) retention: Duration,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_stored_response: usize,
+    pub(crate) stored_headers: Vec<HeaderName>,
+    pub(crate) fingerprint: FingerprintSpec,
+    pub(crate) metrics: Metrics,
+}
+
+/// Applies the idempotency contract to a route, in the route's own database transaction.
+///
+/// Build one per application with [`new`](Self::new), then derive each route's layer from it
+/// with the builder methods; the handler takes a [`Tx`](crate::Tx) for its effect.
+///
+/// ```no_run
+/// use axum::{Router, routing::post};
+/// use idemkey_core::KeyHasher;
+/// use idemkey_sqlite::SqliteStore;
+/// use idemkey_tower::{IdempotencyLayer, Tx};
+///
+/// async fn create_order(mut tx: Tx<SqliteStore>) -> (http::StatusCode, &'static str) {
+///     sqlx::query("INSERT INTO orders (item) VALUES ('book')")
+///         .execute(&mut *tx)
+///         .await
+///         .unwrap();
+///     (http::StatusCode::CREATED, "{\"ok\":true}")
+/// }
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = SqliteStore::connect("sqlite:app.db").await?;
+/// store.migrate().await?;
+/// let idempotency = IdempotencyLayer::new(store, KeyHasher::new(b"a long random secret"));
+/// let app: Router = Router::new().route(
+///     "/orders",
+///     post(create_order).layer(idempotency.clone().required()),
+/// );
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct IdempotencyLayer<S, P = DefaultStorePolicy> {
+    pub(crate) store: S,
+    pub(crate) config: Arc<Config>,
+    pub(crate) policy: P,
+}
+
+impl<S> IdempotencyLayer<S> {
+    /// A layer on `store`, hashing keys with `hasher`: key required, wait up to 5 s for an
+    /// attempt in flight, 24 h retention, 1 MiB request bodies, 1 MiB stored responses,
+    /// the [`DefaultStorePolicy`].
+    pub fn new(store: S, hasher: KeyHasher) -> Self {
+        Self {
+            store,
+            config: Arc::new(Config {
+                hasher,
+                requirement: KeyRequirement::Required,
+                in_flight: InFlightPolicy::default(),
+                retention: Duration::from_secs(24 * 3600),
+                max_request_body: 1024 * 1024,
+                max_stored_response: 1024 * 1024,
+                stored_headers: Vec::new(),
+                fingerprint: FingerprintSpec::default(),
+                metrics: Metrics::new(),
+            }),
+            policy: DefaultStorePolicy,
+        }
+    }
+}
+
+impl<S, P> IdempotencyLayer<S, P> {
+    fn with(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        f(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// Requests without a key are refused with 400 (the default).
+    pub fn required(self) -> Self {
+        self.requirement(KeyRequirement::Required)
+    }
+
+    /// Requests without a key run without protection.
+    pub fn optional(self) -> Self {
+        self.requirement(KeyRequirement::Optional)
+    }
+
+    /// Keys are ignored; the handler still gets its transaction.
+    pub fn off(self) -> Self {
+        self.requirement(KeyRequirement::Off)
+    }
+
+    /// Sets the key requirement.
+    pub fn requirement(self, requirement: KeyRequirement) -> Self {
+        self.with(|c| c.requirement = requirement)
+    }
+
+    /// What a retry gets while the first attempt runs.
+    pub fn in_flight(self, policy: InFlightPolicy) -> Self {
+        self.with(|c| c.in_flight = policy)
+    }
+
+    /// How long outcomes are kept and replayed.
+    pub fn retention(self, retention: Duration) -> Self {
+        self.with(|c| c.retention = retention)
+    }
+
+    /// The largest request body accepted on keyed requests (larger: 413, nothing stored).
+    pub fn max_request_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_request_body = bytes)
+    }
+
+    /// The largest response body stored. A larger response cannot be replayed, so its
+    /// transaction rolls back and the client gets 500 `response-too-large`.
+    pub fn max_stored_response(self, bytes: usize) -> Self {
+        self.with(|c| c.max_stored_response = bytes)
+    }
+
+    /// Stores and replays this response header too (besides `Content-Type`, `Location`,
+    /// `ETag`).
+    pub fn store_header(self, name: HeaderName) -> Self {
+        self.with(|c| c.stored_headers.push(name))
+    }
+
+    /// Only these JSON fields (JSON Pointers) define the operation in the fingerprint.
+    pub fn fingerprint_fields<I: IntoIterator<Item = T>, T: Into<String>>(
+        self,
+        pointers: I,
+    ) -> Self {
+        let fields = pointers.into_iter().map(Into::into).collect();
+        self.with(|c| {
+            c.fingerprint = FingerprintSpec {
+                fields: Some(fields),
+            }
+        })
+    }
+
+    /// Counts into `metrics` (share one [`Metrics`] across routes and render it).
+    pub fn metrics(self, metrics: Metrics) -> Self {
+        self.with(|c| c.metrics = metrics)
+    }
+
+    /// Replaces the policy that decides which responses are stored.
+    pub fn store_policy<Q: StorePolicy>(self, policy: Q) -> IdempotencyLayer<S, Q> {
+        IdempotencyLayer {
+            store: self.store,
+            config: self.config,
+            policy,
+        }
+    }
+}
+
+impl<S: Clone, P: Clone, I> Layer<I> for IdempotencyLayer<S, P> {
+    type Service = IdempotencyService<S, P, I>;
+
+    fn layer(&self, inner: I) -> Self::Service {
+        IdempotencyService {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! # idemkey-tower
+//!
+//! A tower [`Layer`](tower_layer::Layer) and an axum extractor that make retried HTTP writes
+//! safe: a client sends the same `Idempotency-Key` on every attempt of one logical write;
+//! the layer claims the key in a database transaction, the handler writes its effect on that
+//! same transaction ([`Tx`]), and the layer stores the response in it and commits. Every
+//! retry gets the stored response, byte for byte, with `Idempotent-Replayed: true`.
+//!
+//! | situation | answer |
+//! |---|---|
+//! | first attempt | the handler runs; its outcome is stored with its effect |
+//! | same key, same request, completed | the stored status, allowlisted headers and body |
+//! | same key, different request | 422 `key-reused`, naming what differs |
+//! | same key, first attempt running | wait (default 5 s) then replay; or 409 + `Retry-After` |
+//! | outcome unknown | 409 `outcome-unknown`, with the status resource's URL |
+//! | store unreachable | 503 + `Retry-After`; the handler does not run |
+//!
+//! Errors are `application/problem+json` ([`IdempotencyRejection`]). The full contract is
+//! in `docs/contract.md`. See [`IdempotencyLayer`] for an example.
+
+mod layer;
+mod metrics;
+mod policy;
+mod problem;
+mod service;
+mod status;
+mod tx;
+
+pub use self::layer::{IdempotencyLayer, STATUS_PATH};
+pub use self::metrics::{Metrics, Outcome};
+pub use self::policy::{DefaultStorePolicy, InFlightPolicy, KeyRequirement, StorePolicy};
+pub use self::problem::{IdempotencyRejection, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
+pub use self::service::{EXPIRES_HEADER, IdempotencyService, REPLAYED_HEADER};
+pub use self::status::status_router;
+pub use self::tx::Tx;
+
+/// The authenticated tenant of a request, as a request extension set by the application's
+/// authentication middleware. Keys are scoped by it. Requests without one share the
+/// [`Tenant::DEFAULT`] tenant (single-tenant applications need not set it).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Tenant(pub String);
+
+impl Tenant {
+    /// The tenant of requests that carry no [`Tenant`] extension.
+    pub const DEFAULT: &'static str = "default";
+}

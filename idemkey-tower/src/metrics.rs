@@ -1,0 +1,193 @@
+//! Counters and latency histograms, rendered in the Prometheus text format.
+
+use std::fmt::Write;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// What happened to one keyed request; a label of the counters and histograms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The handler ran and its outcome was stored.
+    Executed,
+    /// The handler ran and its outcome was not stored (rolled back).
+    NotStored,
+    /// A stored outcome was replayed.
+    Replayed,
+    /// 422: the key was used with another request.
+    Mismatched,
+    /// 409: the first attempt is still running.
+    InFlight,
+    /// 409: the outcome is unknown.
+    Indeterminate,
+    /// 503: the store failed.
+    StoreError,
+    /// 400 / 413: the request was refused before any claim.
+    Rejected,
+}
+
+const OUTCOMES: [(Outcome, &str); 8] = [
+    (Outcome::Executed, "executed"),
+    (Outcome::NotStored, "not_stored"),
+    (Outcome::Replayed, "replayed"),
+    (Outcome::Mismatched, "mismatched"),
+    (Outcome::InFlight, "in_flight"),
+    (Outcome::Indeterminate, "indeterminate"),
+    (Outcome::StoreError, "store_error"),
+    (Outcome::Rejected, "rejected"),
+];
+
+/// Upper bounds of the latency buckets, in seconds.
+const BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+#[derive(Debug, Default)]
+struct Histogram {
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    attempts: AtomicU64,
+    outcomes: [AtomicU64; OUTCOMES.len()],
+    latency: [Histogram; OUTCOMES.len()],
+    purged: AtomicU64,
+}
+
+/// The layer's metrics. Cheap to clone; share one between the layers of an application and
+/// render it at `/metrics`.
+#[derive(Debug, Clone, Default)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+fn index(outcome: Outcome) -> usize {
+    OUTCOMES
+        .iter()
+        .position(|(o, _)| *o == outcome)
+        .unwrap_or(OUTCOMES.len() - 1)
+}
+
+impl Metrics {
+    /// Empty metrics.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Counts one transport attempt on a keyed route (refused ones included), so attempts
+    /// equal the sum of the outcomes.
+    pub fn attempt(&self) {
+        self.inner.attempts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts an outcome and its latency.
+    pub fn record(&self, outcome: Outcome, elapsed: Duration) {
+        let i = index(outcome);
+        self.inner.outcomes[i].fetch_add(1, Ordering::Relaxed);
+        let h = &self.inner.latency[i];
+        let secs = elapsed.as_secs_f64();
+        for (bucket, bound) in h.buckets.iter().zip(BUCKETS) {
+            if secs <= bound {
+                bucket.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        h.count.fetch_add(1, Ordering::Relaxed);
+        h.sum_micros
+            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Counts records deleted by the purge.
+    pub fn purged(&self, n: u64) {
+        self.inner.purged.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// How many requests ended in `outcome`.
+    pub fn count(&self, outcome: Outcome) -> u64 {
+        self.inner.outcomes[index(outcome)].load(Ordering::Relaxed)
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let inner = &self.inner;
+        let _ = writeln!(
+            out,
+            "# HELP idemkey_attempts_total Write requests on keyed routes: every transport attempt, refused ones included.\n\
+             # TYPE idemkey_attempts_total counter\n\
+             idemkey_attempts_total {}",
+            inner.attempts.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP idemkey_requests_total Keyed requests by outcome.\n\
+             # TYPE idemkey_requests_total counter"
+        );
+        for (i, (_, name)) in OUTCOMES.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "idemkey_requests_total{{outcome=\"{name}\"}} {}",
+                inner.outcomes[i].load(Ordering::Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP idemkey_request_duration_seconds Latency of keyed requests by outcome.\n\
+             # TYPE idemkey_request_duration_seconds histogram"
+        );
+        for (i, (_, name)) in OUTCOMES.iter().enumerate() {
+            let h = &inner.latency[i];
+            for (bucket, bound) in h.buckets.iter().zip(BUCKETS) {
+                let _ = writeln!(
+                    out,
+                    "idemkey_request_duration_seconds_bucket{{outcome=\"{name}\",le=\"{bound}\"}} {}",
+                    bucket.load(Ordering::Relaxed)
+                );
+            }
+            let count = h.count.load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "idemkey_request_duration_seconds_bucket{{outcome=\"{name}\",le=\"+Inf\"}} {count}\n\
+                 idemkey_request_duration_seconds_sum{{outcome=\"{name}\"}} {}\n\
+                 idemkey_request_duration_seconds_count{{outcome=\"{name}\"}} {count}",
+                h.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP idemkey_purged_total Expired records deleted by the purge.\n\
+             # TYPE idemkey_purged_total counter\n\
+             idemkey_purged_total {}",
+            inner.purged.load(Ordering::Relaxed)
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counts_and_histogram_buckets() {
+        let m = Metrics::new();
+        m.attempt();
+        m.attempt();
+        m.record(Outcome::Executed, Duration::from_millis(3));
+        m.record(Outcome::Replayed, Duration::from_micros(200));
+        let text = m.render();
+        assert!(text.contains("idemkey_attempts_total 2\n"), "{text}");
+        assert!(text.contains("idemkey_requests_total{outcome=\"executed\"} 1\n"));
+        assert!(text.contains("idemkey_requests_total{outcome=\"mismatched\"} 0\n"));
+        assert!(text.contains(
+            "idemkey_request_duration_seconds_bucket{outcome=\"executed\",le=\"0.0025\"} 0\n"
+        ));
+        assert!(text.contains(
+            "idemkey_request_duration_seconds_bucket{outcome=\"executed\",le=\"0.005\"} 1\n"
+        ));
+        assert_eq!(m.count(Outcome::Replayed), 1);
+    }
+}

@@ -1,0 +1,167 @@
+//! The layer's error answers: `application/problem+json` (RFC 9457), one stable `type` each.
+//!
+//! Every case decides its status, title and problem type here, next to its definition; the
+//! list is documented in `docs/contract.md`.
+
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+use idemkey_core::{KeyError, Mismatch};
+
+/// The media type of every error answer.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// The prefix of every problem `type` URI; the name follows it.
+pub const PROBLEM_TYPE_PREFIX: &str = "urn:idemkey:problem:";
+
+/// An error answered by the idempotency layer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum IdempotencyRejection {
+    /// The route requires a key and the request had none.
+    #[error("this request requires an Idempotency-Key header")]
+    KeyMissing,
+    /// The key header was malformed.
+    #[error("{0}")]
+    KeyInvalid(KeyError),
+    /// The request body exceeded the route's limit.
+    #[error("the request body is larger than {limit} bytes")]
+    RequestTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The request body could not be read.
+    #[error("the request body could not be read")]
+    RequestUnreadable,
+    /// The key was already used with a different request.
+    #[error("this Idempotency-Key was used with a different request ({})", .0.parts().join(", "))]
+    KeyReused(Mismatch),
+    /// The first attempt with this key is still running.
+    #[error("a request with this Idempotency-Key is still being processed")]
+    InFlight {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The outcome of the first attempt is unknown and it will not be re-executed.
+    #[error(
+        "the outcome of the request with this Idempotency-Key is unknown; it will not be retried automatically"
+    )]
+    OutcomeUnknown {
+        /// The status resource of the key.
+        status_url: String,
+    },
+    /// The idempotency store could not be reached; nothing was executed.
+    #[error("the idempotency store is unavailable; the request was not executed")]
+    StoreUnavailable {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The handler's response was too large to store; its effect was rolled back.
+    #[error(
+        "the response was larger than {limit} bytes and could not be stored; nothing was executed"
+    )]
+    ResponseTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The handler panicked; its effect was rolled back.
+    #[error("the request failed; nothing was executed")]
+    Internal,
+    /// The handler asked for a [`Tx`](crate::Tx) where the layer gives none (the layer is not
+    /// installed on the route, or the transaction was extracted twice).
+    #[error("no idempotency transaction for this handler: is the layer installed on this route?")]
+    TransactionUnavailable,
+    /// No such key for this caller (status resource).
+    #[error("no idempotency record for this key")]
+    KeyNotFound,
+}
+
+impl IdempotencyRejection {
+    /// The HTTP status of this answer.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::KeyMissing | Self::KeyInvalid(_) | Self::RequestUnreadable => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::KeyReused(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::InFlight { .. } | Self::OutcomeUnknown { .. } => StatusCode::CONFLICT,
+            Self::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::ResponseTooLarge { .. } | Self::Internal | Self::TransactionUnavailable => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+            Self::KeyNotFound => StatusCode::NOT_FOUND,
+        }
+    }
+
+    /// The problem type's name (the part after [`PROBLEM_TYPE_PREFIX`]).
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Self::KeyMissing => "key-missing",
+            Self::KeyInvalid(_) => "key-invalid",
+            Self::RequestTooLarge { .. } => "request-too-large",
+            Self::RequestUnreadable => "request-unreadable",
+            Self::KeyReused(_) => "key-reused",
+            Self::InFlight { .. } => "request-in-flight",
+            Self::OutcomeUnknown { .. } => "outcome-unknown",
+            Self::StoreUnavailable { .. } => "store-unavailable",
+            Self::ResponseTooLarge { .. } => "response-too-large",
+            Self::Internal => "internal-error",
+            Self::TransactionUnavailable => "transaction-unavailable",
+            Self::KeyNotFound => "key-not-found",
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Self::KeyMissing => "Idempotency-Key missing",
+            Self::KeyInvalid(_) => "Idempotency-Key invalid",
+            Self::RequestTooLarge { .. } => "Request body too large",
+            Self::RequestUnreadable => "Request body unreadable",
+            Self::KeyReused(_) => "Idempotency-Key reused with a different request",
+            Self::InFlight { .. } => "Request in flight",
+            Self::OutcomeUnknown { .. } => "Outcome unknown",
+            Self::StoreUnavailable { .. } => "Idempotency store unavailable",
+            Self::ResponseTooLarge { .. } => "Response too large to store",
+            Self::Internal => "Internal error",
+            Self::TransactionUnavailable => "Transaction unavailable",
+            Self::KeyNotFound => "Idempotency-Key not found",
+        }
+    }
+}
+
+impl IntoResponse for IdempotencyRejection {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let mut body = serde_json::json!({
+            "type": format!("{PROBLEM_TYPE_PREFIX}{}", self.type_name()),
+            "title": self.title(),
+            "status": status.as_u16(),
+            "detail": self.to_string(),
+        });
+        let mut retry_after = None;
+        let mut link = None;
+        match &self {
+            Self::KeyReused(m) => body["differs"] = serde_json::json!(m.parts()),
+            Self::InFlight { retry_after: r } | Self::StoreUnavailable { retry_after: r } => {
+                retry_after = Some(r.as_secs().max(1));
+            }
+            Self::OutcomeUnknown { status_url } => {
+                body["status_url"] = serde_json::json!(status_url);
+                link = Some(format!("<{status_url}>; rel=\"status\""));
+            }
+            _ => {}
+        }
+        let mut response = (status, body.to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(secs) = retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if let Some(link) = link.and_then(|l| HeaderValue::from_str(&l).ok()) {
+            headers.insert(header::LINK, link);
+        }
+        response
+    }
+}

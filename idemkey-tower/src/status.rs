@@ -1,0 +1,108 @@
+//! The status resource: `GET /idempotency/v1/keys/{key}` answers the caller's own records.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use idemkey_core::{IdempotencyKey, KeyHasher, Record, Store, Timestamp};
+use serde::Serialize;
+
+use crate::layer::STATUS_PATH;
+use crate::{IdempotencyRejection, Tenant};
+
+#[derive(Clone)]
+struct StatusState<S> {
+    store: S,
+    hasher: KeyHasher,
+}
+
+/// One record, as the status resource shows it.
+#[derive(Debug, Serialize)]
+struct RecordView {
+    route: String,
+    state: &'static str,
+    created_at: String,
+    updated_at: String,
+    expires_at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response_status: Option<u16>,
+}
+
+#[derive(Debug, Serialize)]
+struct KeyView {
+    key_id: String,
+    records: Vec<RecordView>,
+}
+
+pub(crate) fn rfc3339(t: Timestamp) -> String {
+    let at = UNIX_EPOCH + Duration::from_millis(t.as_millis().max(0) as u64);
+    humantime::format_rfc3339_millis(at).to_string()
+}
+
+impl From<&Record> for RecordView {
+    fn from(r: &Record) -> Self {
+        Self {
+            route: r.id.route.clone(),
+            state: r.state.as_str(),
+            created_at: rfc3339(r.created_at),
+            updated_at: rfc3339(r.updated_at),
+            expires_at: rfc3339(r.expires_at),
+            response_status: r.response.as_ref().map(|resp| resp.status),
+        }
+    }
+}
+
+/// A router with the status resource at `/idempotency/v1/keys/{key}`.
+///
+/// It answers only the caller's own records: the tenant comes from the [`Tenant`] request
+/// extension, so put it behind the same authentication as the keyed routes. Expired
+/// records are not shown (they no longer protect anything).
+pub fn status_router<S: Store>(store: S, hasher: KeyHasher) -> axum::Router {
+    axum::Router::new()
+        .route(&format!("{STATUS_PATH}/{{key}}"), get(key_status::<S>))
+        .with_state(StatusState { store, hasher })
+}
+
+async fn key_status<S: Store>(
+    State(state): State<StatusState<S>>,
+    tenant: Option<axum::Extension<Tenant>>,
+    Path(key): Path<String>,
+) -> Response {
+    let tenant = tenant.map_or_else(|| Tenant::DEFAULT.to_owned(), |t| t.0.0);
+    let key = match IdempotencyKey::parse(key.as_bytes()) {
+        Ok(key) => key,
+        Err(e) => return IdempotencyRejection::KeyInvalid(e).into_response(),
+    };
+    let key_hash = state.hasher.key_hash(&tenant, &key);
+    let records = async {
+        let mut conn = state.store.acquire().await?;
+        state.store.find_by_key(&mut conn, &tenant, &key_hash).await
+    }
+    .await;
+    let records = match records {
+        Ok(records) => records,
+        Err(_) => {
+            return IdempotencyRejection::StoreUnavailable {
+                retry_after: Duration::from_secs(1),
+            }
+            .into_response();
+        }
+    };
+    let now = Timestamp::now();
+    let records: Vec<RecordView> = records
+        .iter()
+        .filter(|r| !r.is_expired(now))
+        .map(RecordView::from)
+        .collect();
+    if records.is_empty() {
+        return IdempotencyRejection::KeyNotFound.into_response();
+    }
+    let key_id = hex_prefix(&key_hash);
+    Json(KeyView { key_id, records }).into_response()
+}
+
+fn hex_prefix(hash: &[u8; 32]) -> String {
+    hash[..8].iter().map(|b| format!("{b:02x}")).collect()
+}

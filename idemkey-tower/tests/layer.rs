@@ -1,0 +1,716 @@
+//! In-process integration tests of the idempotency layer: an axum router whose handler
+//! writes an effect row on the layer's transaction, on a fresh SQLite file per test.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::response::Response;
+use axum::routing::{get, post};
+use http::{HeaderMap, Request, StatusCode, header};
+use idemkey_core::KeyHasher;
+use idemkey_sqlite::SqliteStore;
+use idemkey_tower::{
+    EXPIRES_HEADER, IdempotencyLayer, Metrics, Outcome, PROBLEM_JSON, PROBLEM_TYPE_PREFIX,
+    REPLAYED_HEADER, Tenant, Tx, status_router,
+};
+use serde_json::{Value, json};
+use tempfile::TempDir;
+use tower::ServiceExt;
+
+const ROUTE: &str = "/effects";
+
+/// A fresh database: the store's migrations plus the application's `effects` table. The
+/// directory lives as long as the returned guard.
+async fn setup() -> (TempDir, SqliteStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("test.db").display());
+    let store = SqliteStore::connect(&url).await.unwrap();
+    store.migrate().await.unwrap();
+    sqlx::query(
+        "CREATE TABLE effects (
+             id     INTEGER PRIMARY KEY AUTOINCREMENT,
+             status INTEGER NOT NULL
+         )",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    (dir, store)
+}
+
+fn hasher() -> KeyHasher {
+    KeyHasher::new(b"secret")
+}
+
+fn layer(store: &SqliteStore) -> IdempotencyLayer<SqliteStore> {
+    IdempotencyLayer::new(store.clone(), hasher())
+}
+
+/// The handler, steered by its JSON body: `{"status": 201, "panic": false, "sleep_ms": 0,
+/// "pad": 0}`. It writes one effect row on the transaction, then answers with the row's id
+/// (so a replay is told apart from a second execution), a `Location`, and a header the layer
+/// does not store.
+async fn create(mut tx: Tx<SqliteStore>, body: Bytes) -> Response {
+    let steer: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let status = steer["status"].as_u64().unwrap_or(201) as u16;
+    let panics = steer["panic"].as_bool().unwrap_or(false);
+    let sleep_ms = steer["sleep_ms"].as_u64().unwrap_or(0);
+    let pad = steer["pad"].as_u64().unwrap_or(0) as usize;
+
+    let id = sqlx::query("INSERT INTO effects (status) VALUES (?1)")
+        .bind(i64::from(status))
+        .execute(&mut *tx)
+        .await
+        .unwrap()
+        .last_insert_rowid();
+    if sleep_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(sleep_ms)).await;
+    }
+    if panics {
+        panic!("the handler panics on request");
+    }
+    let body = json!({ "effect": id, "status": status, "pad": "x".repeat(pad) }).to_string();
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::LOCATION, format!("{ROUTE}/{id}"))
+        .header("x-not-stored", "1")
+        .body(Body::from(body))
+        .unwrap()
+}
+
+/// A safe-method handler that needs no transaction: the number of effects.
+async fn count(State(store): State<SqliteStore>) -> String {
+    effects(&store).await.to_string()
+}
+
+/// The application: `POST /effects` behind `layer`.
+fn app(layer: IdempotencyLayer<SqliteStore>) -> Router {
+    Router::new().route(ROUTE, post(create).layer(layer))
+}
+
+fn request(key: Option<&str>, body: &str) -> Request<Body> {
+    let mut builder = Request::post(ROUTE).header(header::CONTENT_TYPE, "application/json");
+    if let Some(key) = key {
+        builder = builder.header("idempotency-key", key);
+    }
+    builder.body(Body::from(body.to_owned())).unwrap()
+}
+
+fn for_tenant(mut req: Request<Body>, tenant: &str) -> Request<Body> {
+    req.extensions_mut().insert(Tenant(tenant.into()));
+    req
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    fn replayed(&self) -> bool {
+        self.header(REPLAYED_HEADER) == Some("true")
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+
+    /// Asserts a problem+json answer with `status` and problem type `name`; returns it.
+    #[track_caller]
+    fn problem(&self, status: StatusCode, name: &str) -> Value {
+        assert_eq!(self.status, status, "body: {:?}", self.body);
+        assert_eq!(self.header("content-type"), Some(PROBLEM_JSON));
+        let problem = self.json();
+        assert_eq!(problem["type"], format!("{PROBLEM_TYPE_PREFIX}{name}"));
+        assert_eq!(problem["status"], status.as_u16());
+        problem
+    }
+}
+
+async fn send(app: &Router, req: Request<Body>) -> Answer {
+    let response = app.clone().oneshot(req).await.unwrap();
+    let (parts, body) = response.into_parts();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: axum::body::to_bytes(body, usize::MAX).await.unwrap(),
+    }
+}
+
+async fn effects(store: &SqliteStore) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+}
+
+async fn records(store: &SqliteStore) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM idemkey_records")
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn replays_completed_response_byte_for_byte() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+    let body = r#"{"status": 201}"#;
+
+    let first = send(&app, request(Some("k-replay"), body)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(first.headers.get(REPLAYED_HEADER).is_none());
+    assert!(first.header(EXPIRES_HEADER).is_some());
+    assert_eq!(first.header("x-not-stored"), Some("1"));
+
+    let second = send(&app, request(Some("k-replay"), body)).await;
+    assert_eq!(second.status, first.status);
+    assert_eq!(second.body, first.body, "the stored body, byte for byte");
+    assert_eq!(second.header("content-type"), first.header("content-type"));
+    assert_eq!(second.header("location"), first.header("location"));
+    assert_eq!(second.header("location"), Some("/effects/1"));
+    assert!(second.replayed());
+    assert_eq!(second.header(EXPIRES_HEADER), first.header(EXPIRES_HEADER));
+    // Only allowlisted headers are stored and replayed.
+    assert!(second.headers.get("x-not-stored").is_none());
+
+    assert_eq!(effects(&store).await, 1);
+    assert_eq!(records(&store).await, 1);
+}
+
+#[tokio::test]
+async fn json_bodies_differing_only_in_spelling_are_the_same_request() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+
+    let first = send(
+        &app,
+        request(
+            Some("k-spelling"),
+            r#"{"status":201,"amount":1,"note":"a"}"#,
+        ),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let second = send(
+        &app,
+        request(
+            Some("k-spelling"),
+            "{ \"note\" : \"\\u0061\",\n  \"amount\": 1.0, \"status\": 201 }",
+        ),
+    )
+    .await;
+    assert_eq!(
+        second.status,
+        StatusCode::CREATED,
+        "body: {:?}",
+        second.body
+    );
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(effects(&store).await, 1);
+}
+
+#[tokio::test]
+async fn rejects_mismatched_body_with_422_naming_the_part() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+
+    let first = send(&app, request(Some("k-mismatch"), r#"{"amount": 1}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let other = send(&app, request(Some("k-mismatch"), r#"{"amount": 2}"#)).await;
+    let problem = other.problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+    assert_eq!(problem["type"], "urn:idemkey:problem:key-reused");
+    let differs: Vec<&str> = problem["differs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(differs.contains(&"body"), "{problem}");
+    assert!(!differs.contains(&"query"), "{problem}");
+    assert!(!other.replayed());
+    assert_eq!(effects(&store).await, 1);
+}
+
+#[tokio::test]
+async fn rejects_missing_empty_overlong_comma_and_doubled_keys_with_400() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+    let body = r#"{"status": 201}"#;
+    let overlong = "a".repeat(256);
+
+    let missing = send(&app, request(None, body)).await;
+    missing.problem(StatusCode::BAD_REQUEST, "key-missing");
+
+    for bad in [
+        "",
+        "\"\"",
+        "   ",
+        overlong.as_str(),
+        "a,b",
+        "\"a\", \"b\"",
+        "a b",
+        "\"open",
+    ] {
+        let answer = send(&app, request(Some(bad), body)).await;
+        answer.problem(StatusCode::BAD_REQUEST, "key-invalid");
+    }
+
+    let doubled = Request::post(ROUTE)
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("idempotency-key", "k1")
+        .header("idempotency-key", "k1")
+        .body(Body::from(body))
+        .unwrap();
+    send(&app, doubled)
+        .await
+        .problem(StatusCode::BAD_REQUEST, "key-invalid");
+
+    // 255 characters is still a key.
+    let longest = "a".repeat(255);
+    let ok = send(&app, request(Some(&longest), body)).await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+
+    assert_eq!(effects(&store).await, 1, "only the valid key executed");
+    assert_eq!(records(&store).await, 1);
+}
+
+#[tokio::test]
+async fn quoted_and_bare_keys_are_the_same_key() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+    let body = r#"{"status": 201}"#;
+
+    let bare = send(&app, request(Some("8e03978e-40d5"), body)).await;
+    assert_eq!(bare.status, StatusCode::CREATED);
+    let quoted = send(&app, request(Some("\"8e03978e-40d5\""), body)).await;
+    assert_eq!(quoted.status, StatusCode::CREATED);
+    assert!(quoted.replayed());
+    assert_eq!(quoted.body, bare.body);
+    assert_eq!(effects(&store).await, 1);
+    assert_eq!(records(&store).await, 1);
+}
+
+#[tokio::test]
+async fn handler_400_and_500_roll_back_and_free_the_key() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+
+    for (done, (key, status)) in [("k-400", 400u16), ("k-500", 500)].into_iter().enumerate() {
+        let done = done as i64; // committed by the earlier rounds' corrected retries
+        let body = format!(r#"{{"status": {status}}}"#);
+        let failed = send(&app, request(Some(key), &body)).await;
+        assert_eq!(failed.status.as_u16(), status);
+        assert!(!failed.replayed());
+        // The handler's own response is passed through, not stored.
+        assert_eq!(failed.json()["status"], status);
+        assert!(failed.headers.get(EXPIRES_HEADER).is_none());
+        assert_eq!(effects(&store).await, done, "{status}: effect rolled back");
+        assert_eq!(records(&store).await, done, "{status}: key freed");
+
+        let corrected = send(&app, request(Some(key), r#"{"status": 201}"#)).await;
+        assert_eq!(
+            corrected.status,
+            StatusCode::CREATED,
+            "{status}: retry executes"
+        );
+        assert!(!corrected.replayed());
+    }
+    assert_eq!(effects(&store).await, 2);
+    assert_eq!(records(&store).await, 2);
+}
+
+#[tokio::test]
+async fn declined_402_is_stored_and_replayed() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+    let body = r#"{"status": 402}"#;
+
+    let declined = send(&app, request(Some("k-402"), body)).await;
+    assert_eq!(declined.status, StatusCode::PAYMENT_REQUIRED);
+    assert!(!declined.replayed());
+    assert!(declined.header(EXPIRES_HEADER).is_some());
+
+    let again = send(&app, request(Some("k-402"), body)).await;
+    assert_eq!(again.status, StatusCode::PAYMENT_REQUIRED);
+    assert!(again.replayed());
+    assert_eq!(again.body, declined.body);
+    assert_eq!(effects(&store).await, 1);
+
+    // The decline is the outcome of this key: another request under it is not a retry.
+    let changed = send(&app, request(Some("k-402"), r#"{"status": 201}"#)).await;
+    changed.problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+    assert_eq!(effects(&store).await, 1);
+}
+
+#[tokio::test]
+async fn panic_rolls_back_and_answers_500_problem() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+
+    let panicked = send(&app, request(Some("k-panic"), r#"{"panic": true}"#)).await;
+    panicked.problem(StatusCode::INTERNAL_SERVER_ERROR, "internal-error");
+    assert_eq!(effects(&store).await, 0);
+    assert_eq!(records(&store).await, 0);
+
+    let next = send(&app, request(Some("k-panic"), r#"{"status": 201}"#)).await;
+    assert_eq!(next.status, StatusCode::CREATED);
+    assert!(!next.replayed());
+    assert_eq!(effects(&store).await, 1);
+}
+
+#[tokio::test]
+async fn oversized_request_body_gets_413_without_record() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required().max_request_body(100));
+    let big = format!(r#"{{"status": 201, "filler": "{}"}}"#, "x".repeat(200));
+
+    // Without Content-Length: the limit is found while reading.
+    let streamed = send(&app, request(Some("k-big"), &big)).await;
+    streamed.problem(StatusCode::PAYLOAD_TOO_LARGE, "request-too-large");
+
+    // With a declared Content-Length over the limit: refused before reading.
+    let mut declared = request(Some("k-big"), &big);
+    declared
+        .headers_mut()
+        .insert(header::CONTENT_LENGTH, big.len().into());
+    send(&app, declared)
+        .await
+        .problem(StatusCode::PAYLOAD_TOO_LARGE, "request-too-large");
+
+    assert_eq!(effects(&store).await, 0);
+    assert_eq!(records(&store).await, 0);
+
+    // A body within the limit under the same key executes: nothing was kept.
+    let small = send(&app, request(Some("k-big"), r#"{"status": 201}"#)).await;
+    assert_eq!(small.status, StatusCode::CREATED);
+    assert_eq!(effects(&store).await, 1);
+}
+
+#[tokio::test]
+async fn response_too_large_rolls_back() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required().max_stored_response(10));
+
+    let answer = send(&app, request(Some("k-large"), r#"{"status": 201}"#)).await;
+    answer.problem(StatusCode::INTERNAL_SERVER_ERROR, "response-too-large");
+    assert!(!answer.replayed());
+    assert_eq!(effects(&store).await, 0, "the effect is rolled back");
+    assert_eq!(records(&store).await, 0, "the key stays free");
+}
+
+#[tokio::test]
+async fn optional_route_without_key_runs_unprotected() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).optional());
+    let body = r#"{"status": 201}"#;
+
+    for _ in 0..2 {
+        let answer = send(&app, request(None, body)).await;
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert!(!answer.replayed());
+    }
+    assert_eq!(effects(&store).await, 2, "both committed");
+    assert_eq!(records(&store).await, 0);
+
+    // A key still protects the request.
+    let first = send(&app, request(Some("k-opt"), body)).await;
+    let second = send(&app, request(Some("k-opt"), body)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(second.replayed());
+    assert_eq!(effects(&store).await, 3);
+
+    // Unkeyed requests commit under the same rule as keyed ones: a 500 rolls back.
+    let failed = send(&app, request(None, r#"{"status": 500}"#)).await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(effects(&store).await, 3);
+}
+
+#[tokio::test]
+async fn off_route_ignores_keys() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).off());
+    let body = r#"{"status": 201}"#;
+
+    for key in [Some("k-off"), Some("k-off"), None, Some("a,b")] {
+        let answer = send(&app, request(key, body)).await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{key:?}");
+        assert!(!answer.replayed());
+    }
+    assert_eq!(
+        effects(&store).await,
+        4,
+        "every request committed its effect"
+    );
+    assert_eq!(records(&store).await, 0);
+}
+
+#[tokio::test]
+async fn safe_methods_pass_through() {
+    let (_dir, store) = setup().await;
+    let app = Router::new().route(
+        ROUTE,
+        get(count)
+            .with_state(store.clone())
+            .post(create)
+            .layer(layer(&store).required()),
+    );
+
+    let created = send(&app, request(Some("k-safe"), r#"{"status": 201}"#)).await;
+    assert_eq!(created.status, StatusCode::CREATED);
+
+    let get = Request::get(ROUTE).body(Body::empty()).unwrap();
+    let listed = send(&app, get).await;
+    assert_eq!(listed.status, StatusCode::OK);
+    assert_eq!(listed.body, "1");
+    assert!(!listed.replayed());
+
+    // Even a malformed key is not looked at on a safe method.
+    let get = Request::get(ROUTE)
+        .header("idempotency-key", "a,b")
+        .body(Body::empty())
+        .unwrap();
+    let listed = send(&app, get).await;
+    assert_eq!(listed.status, StatusCode::OK);
+    assert_eq!(listed.body, "1");
+    assert_eq!(records(&store).await, 1);
+}
+
+#[tokio::test]
+async fn same_key_in_two_tenants_is_two_operations() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+    let body = r#"{"status": 201}"#;
+
+    let a = send(&app, for_tenant(request(Some("k-shared"), body), "a")).await;
+    let b = send(&app, for_tenant(request(Some("k-shared"), body), "b")).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(b.status, StatusCode::CREATED);
+    assert!(!b.replayed(), "tenant b's key is its own");
+    assert_ne!(a.body, b.body);
+    assert_eq!(effects(&store).await, 2);
+
+    let a_again = send(&app, for_tenant(request(Some("k-shared"), body), "a")).await;
+    assert!(a_again.replayed());
+    assert_eq!(a_again.body, a.body);
+    assert_eq!(effects(&store).await, 2);
+    assert_eq!(records(&store).await, 2);
+}
+
+#[tokio::test]
+async fn expired_key_runs_again() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store)
+        .required()
+        .retention(Duration::from_millis(50)));
+    let body = r#"{"status": 201}"#;
+
+    let first = send(&app, request(Some("k-expire"), body)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = send(&app, request(Some("k-expire"), body)).await;
+    assert_eq!(second.status, StatusCode::CREATED);
+    assert!(!second.replayed(), "an expired record is never replayed");
+    assert_ne!(second.body, first.body);
+    assert_eq!(effects(&store).await, 2);
+
+    // The new outcome is stored and replayed in its turn.
+    let third = send(&app, request(Some("k-expire"), body)).await;
+    assert!(third.replayed());
+    assert_eq!(third.body, second.body);
+    assert_eq!(effects(&store).await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_same_key_requests_execute_once() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                send(
+                    &app,
+                    request(Some("k-race"), r#"{"status": 201, "sleep_ms": 100}"#),
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.unwrap());
+    }
+
+    assert_eq!(effects(&store).await, 1, "executed exactly once");
+    for answer in &answers {
+        assert_eq!(
+            answer.status,
+            StatusCode::CREATED,
+            "body: {:?}",
+            answer.body
+        );
+        assert_eq!(answer.body, answers[0].body);
+    }
+    let replayed = answers.iter().filter(|a| a.replayed()).count();
+    assert_eq!(replayed, 15);
+}
+
+#[tokio::test]
+async fn status_resource_shows_own_records() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required()).merge(status_router(store.clone(), hasher()));
+
+    let done = send(&app, request(Some("k-status"), r#"{"status": 201}"#)).await;
+    assert_eq!(done.status, StatusCode::CREATED);
+
+    let get = |tenant: Option<&str>, key: &str| {
+        let mut req = Request::get(format!("/idempotency/v1/keys/{key}"))
+            .body(Body::empty())
+            .unwrap();
+        if let Some(tenant) = tenant {
+            req.extensions_mut().insert(Tenant(tenant.into()));
+        }
+        req
+    };
+
+    let own = send(&app, get(None, "k-status")).await;
+    assert_eq!(own.status, StatusCode::OK, "body: {:?}", own.body);
+    let view = own.json();
+    assert_eq!(view["records"].as_array().unwrap().len(), 1, "{view}");
+    assert_eq!(view["records"][0]["state"], "completed");
+    assert_eq!(view["records"][0]["response_status"], 201);
+    assert_eq!(view["records"][0]["route"], "POST /effects");
+    assert!(
+        !view.to_string().contains("k-status"),
+        "the raw key is not shown"
+    );
+
+    // The same tenant spelled out finds the same record.
+    let default = send(&app, get(Some(Tenant::DEFAULT), "k-status")).await;
+    assert_eq!(default.status, StatusCode::OK);
+
+    send(&app, get(Some("other"), "k-status"))
+        .await
+        .problem(StatusCode::NOT_FOUND, "key-not-found");
+    send(&app, get(None, "k-unknown"))
+        .await
+        .problem(StatusCode::NOT_FOUND, "key-not-found");
+}
+
+#[tokio::test]
+async fn metrics_count_outcomes() {
+    let (_dir, store) = setup().await;
+    let m = Metrics::new();
+    let app = app(layer(&store).required().metrics(m.clone()));
+
+    let first = send(&app, request(Some("k-m"), r#"{"amount": 1}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let replay = send(&app, request(Some("k-m"), r#"{"amount": 1}"#)).await;
+    assert!(replay.replayed());
+    let reused = send(&app, request(Some("k-m"), r#"{"amount": 2}"#)).await;
+    assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let failed = send(&app, request(Some("k-m2"), r#"{"status": 500}"#)).await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let invalid = send(&app, request(Some("a,b"), r#"{"amount": 1}"#)).await;
+    assert_eq!(invalid.status, StatusCode::BAD_REQUEST);
+
+    assert_eq!(m.count(Outcome::Executed), 1);
+    assert_eq!(m.count(Outcome::Replayed), 1);
+    assert_eq!(m.count(Outcome::Mismatched), 1);
+    assert_eq!(m.count(Outcome::NotStored), 1);
+    assert_eq!(m.count(Outcome::Rejected), 1);
+    assert_eq!(m.count(Outcome::InFlight), 0);
+    let text = m.render();
+    assert!(
+        text.contains("idemkey_requests_total{outcome=\"replayed\"} 1\n"),
+        "{text}"
+    );
+    assert!(text.contains("idemkey_requests_total{outcome=\"executed\"} 1\n"));
+    assert!(text.contains("idemkey_requests_total{outcome=\"mismatched\"} 1\n"));
+    assert!(text.contains("idemkey_attempts_total 5\n"), "{text}");
+}
+
+#[tokio::test]
+async fn handler_without_layer_gets_500_transaction_unavailable() {
+    let (_dir, store) = setup().await;
+    let app = Router::new().route(ROUTE, post(create));
+
+    let answer = send(&app, request(Some("k-bare"), r#"{"status": 201}"#)).await;
+    answer.problem(StatusCode::INTERNAL_SERVER_ERROR, "transaction-unavailable");
+    assert_eq!(effects(&store).await, 0);
+    assert_eq!(records(&store).await, 0);
+}
+
+#[tokio::test]
+async fn store_header_adds_a_replayed_header() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store)
+        .required()
+        .store_header(http::HeaderName::from_static("x-not-stored")));
+    let body = r#"{"status": 201}"#;
+
+    let first = send(&app, request(Some("k-hdr"), body)).await;
+    let second = send(&app, request(Some("k-hdr"), body)).await;
+    assert!(second.replayed());
+    assert_eq!(second.header("x-not-stored"), first.header("x-not-stored"));
+    assert_eq!(second.header("x-not-stored"), Some("1"));
+}
+
+/// SQLite takes its write lock in `store.begin()` (`BEGIN IMMEDIATE`), so a retry that
+/// arrives while the first attempt holds the key waits there. When that wait runs out the
+/// answer is 409 `request-in-flight` + `Retry-After`, not 503: the store is up, the key is
+/// busy.
+///
+/// The store here has a 200 ms busy time-out and the first attempt runs for 1 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_store_while_first_attempt_runs_answers_409_in_flight() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+
+    let dir = tempfile::tempdir().unwrap();
+    let options = SqliteConnectOptions::new()
+        .filename(dir.path().join("busy.db"))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_millis(200));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = SqliteStore::new(pool);
+    store.migrate().await.unwrap();
+    sqlx::query("CREATE TABLE effects (id INTEGER PRIMARY KEY, status INTEGER NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let m = Metrics::new();
+    let app = app(layer(&store).required().metrics(m.clone()));
+    let body = r#"{"status": 201, "sleep_ms": 1000}"#;
+
+    let owner = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, request(Some("k-busy"), body)).await })
+    };
+    // Let the owner claim the key and enter its handler.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let retry = send(&app, request(Some("k-busy"), body)).await;
+    let owner = owner.await.unwrap();
+    assert_eq!(owner.status, StatusCode::CREATED);
+    assert_eq!(effects(&store).await, 1);
+
+    retry.problem(StatusCode::CONFLICT, "request-in-flight");
+    assert!(retry.header("retry-after").is_some());
+    assert_eq!(m.count(Outcome::InFlight), 1);
+    assert_eq!(m.count(Outcome::StoreError), 0);
+}
