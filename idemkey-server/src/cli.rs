@@ -1,0 +1,181 @@
+//! The command line of `idemkey`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::ApiKeys;
+
+/// idemkey: safe retries for HTTP writes.
+#[derive(Debug, Parser)]
+#[command(name = "idemkey", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the reference payments API.
+    Serve(ServeArgs),
+    /// Run the database migrations (idemkey's and the payments API's) and exit.
+    Migrate(DbArgs),
+    /// Inspect and manage idempotency records.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+}
+
+/// Where the database is.
+#[derive(Debug, Clone, Args)]
+pub struct DbArgs {
+    /// `sqlite:<path>` (created if missing) or `postgres://…`.
+    #[arg(
+        long,
+        env = "IDEMKEY_DATABASE_URL",
+        default_value = "sqlite:idemkey.db"
+    )]
+    pub database_url: String,
+    /// Connections in the pool (PostgreSQL).
+    #[arg(long, default_value_t = 32)]
+    pub max_connections: u32,
+}
+
+/// In-flight policy names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum InFlight {
+    /// Wait for the first attempt (up to --wait-timeout), then replay.
+    Wait,
+    /// Answer 409 with Retry-After at once.
+    Reject,
+}
+
+/// `idemkey serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// The database.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// An API key, as TENANT=TOKEN (repeatable). Without any, two demo tenants are made up.
+    #[arg(long = "api-key", value_parser = ApiKeys::parse_pair)]
+    pub api_keys: Vec<(String, String)>,
+    /// API keys as "t1=tok1,t2=tok2" (added to --api-key).
+    #[arg(long, env = "IDEMKEY_API_KEYS", hide_env_values = true)]
+    pub api_keys_env: Option<String>,
+    /// The secret keys are hashed with. Default: generated once and kept in the database.
+    #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
+    pub key_secret: Option<String>,
+    /// Milliseconds the payment handler waits inside its transaction.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub simulate_latency: u64,
+    /// How long outcomes are kept and replayed (e.g. 24h, 90m).
+    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    pub retention: Duration,
+    /// What a retry gets while the first attempt is running.
+    #[arg(long, value_enum, default_value_t = InFlight::Wait)]
+    pub in_flight: InFlight,
+    /// How long a retry waits for the first attempt under --in-flight wait.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub wait_timeout: Duration,
+    /// How often expired records are purged.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub purge_interval: Duration,
+}
+
+impl ServeArgs {
+    /// Every configured API key, from the flags and the environment.
+    pub fn all_api_keys(&self) -> Result<ApiKeys, String> {
+        let mut pairs = self.api_keys.clone();
+        if let Some(env) = &self.api_keys_env {
+            for item in env.split(',').filter(|s| !s.trim().is_empty()) {
+                pairs
+                    .push(ApiKeys::parse_pair(item).map_err(|e| format!("IDEMKEY_API_KEYS: {e}"))?);
+            }
+        }
+        Ok(ApiKeys::new(pairs))
+    }
+}
+
+/// Record states, as the CLI names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StateArg {
+    /// Claimed, before the point of no return.
+    Reserved,
+    /// Past the point of no return.
+    Executing,
+    /// Outcome stored.
+    Completed,
+    /// Outcome unknown.
+    Indeterminate,
+}
+
+/// `idemkey keys …`.
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// List records, newest first.
+    List {
+        /// The database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Only this tenant's.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Only records in this state.
+        #[arg(long, value_enum)]
+        state: Option<StateArg>,
+        /// Only records created longer ago than this (e.g. 2h).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        older_than: Option<Duration>,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a tenant's records for one key.
+    Show {
+        /// The database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The key-hashing secret, if the server was given one.
+        #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
+        key_secret: Option<String>,
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The Idempotency-Key, as the client sent it.
+        key: String,
+    },
+    /// Delete a record whatever its state (the key is free again).
+    Evict {
+        /// The database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The key-hashing secret, if the server was given one.
+        #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
+        key_secret: Option<String>,
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// Method and route template, e.g. "POST /v1/payments".
+        #[arg(long)]
+        route: String,
+        /// The Idempotency-Key, as the client sent it.
+        key: String,
+    },
+    /// Delete every expired record now, in batches.
+    Purge {
+        /// The database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Rows per batch.
+        #[arg(long, default_value_t = 1000)]
+        batch: u32,
+    },
+}

@@ -1,0 +1,221 @@
+//! The payments API's own SQL, per backend. The idempotency records are the store's; these
+//! are the effects the layer protects.
+
+use std::future::Future;
+
+use idemkey_core::Store;
+use idemkey_postgres::PgStore;
+use idemkey_sqlite::SqliteStore;
+use serde::Serialize;
+use sqlx::migrate::Migrator;
+use sqlx::postgres::PgConnection;
+use sqlx::sqlite::SqliteConnection;
+
+/// A payment, as stored and as answered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct Payment {
+    /// `pay_` and 24 hex digits.
+    pub id: String,
+    /// The owning tenant (not shown to callers).
+    #[serde(skip)]
+    pub tenant: String,
+    /// Minor units.
+    pub amount: i64,
+    /// ISO 4217 code.
+    pub currency: String,
+    /// The customer reference.
+    pub customer: String,
+    /// Free text.
+    pub description: Option<String>,
+    /// Always `succeeded` here.
+    pub status: String,
+    /// RFC 3339.
+    pub created_at: String,
+}
+
+/// A store that also holds the payments tables.
+pub trait AppDb: Store {
+    /// Runs idemkey's migrations and the payments API's.
+    fn migrate_all(&self) -> impl Future<Output = anyhow::Result<()>> + Send;
+
+    /// Writes a payment and its ledger entry on `conn` (the claim's transaction).
+    fn insert_payment<'a>(
+        conn: &'a mut Self::Connection,
+        payment: &'a Payment,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
+    /// One of a tenant's payments.
+    fn payment(
+        &self,
+        tenant: &str,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<Payment>, sqlx::Error>> + Send;
+
+    /// A tenant's newest payments, and how many it has in all.
+    fn payments(
+        &self,
+        tenant: &str,
+        limit: i64,
+    ) -> impl Future<Output = Result<(Vec<Payment>, i64), sqlx::Error>> + Send;
+
+    /// Reads the setting `name`, first storing `value` if it has none. Every instance on
+    /// the database gets the same answer.
+    fn setting_or_init(
+        &self,
+        name: &str,
+        value: &[u8],
+    ) -> impl Future<Output = Result<Vec<u8>, sqlx::Error>> + Send;
+}
+
+static SQLITE_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/sqlite");
+static PG_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/postgres");
+
+impl AppDb for SqliteStore {
+    async fn migrate_all(&self) -> anyhow::Result<()> {
+        self.migrate().await?;
+        SQLITE_APP_MIGRATIONS.run(self.pool()).await?;
+        Ok(())
+    }
+
+    async fn insert_payment(conn: &mut SqliteConnection, p: &Payment) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO payments
+                 (id, tenant, amount, currency, customer, description, status, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        )
+        .bind(&p.id)
+        .bind(&p.tenant)
+        .bind(p.amount)
+        .bind(&p.currency)
+        .bind(&p.customer)
+        .bind(&p.description)
+        .bind(&p.status)
+        .bind(&p.created_at)
+        .execute(&mut *conn)
+        .await?;
+        sqlx::query(
+            "INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+        )
+        .bind(&p.id)
+        .bind(&p.tenant)
+        .bind(p.amount)
+        .bind(&p.currency)
+        .bind(&p.created_at)
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
+
+    async fn payment(&self, tenant: &str, id: &str) -> Result<Option<Payment>, sqlx::Error> {
+        sqlx::query_as("SELECT * FROM payments WHERE tenant = ?1 AND id = ?2")
+            .bind(tenant)
+            .bind(id)
+            .fetch_optional(self.pool())
+            .await
+    }
+
+    async fn payments(&self, tenant: &str, limit: i64) -> Result<(Vec<Payment>, i64), sqlx::Error> {
+        let data = sqlx::query_as(
+            "SELECT * FROM payments WHERE tenant = ?1 ORDER BY created_at DESC, id LIMIT ?2",
+        )
+        .bind(tenant)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        let total = sqlx::query_scalar("SELECT count(*) FROM payments WHERE tenant = ?1")
+            .bind(tenant)
+            .fetch_one(self.pool())
+            .await?;
+        Ok((data, total))
+    }
+
+    async fn setting_or_init(&self, name: &str, value: &[u8]) -> Result<Vec<u8>, sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO server_settings (name, value) VALUES (?1, ?2) ON CONFLICT DO NOTHING",
+        )
+        .bind(name)
+        .bind(value)
+        .execute(self.pool())
+        .await?;
+        sqlx::query_scalar("SELECT value FROM server_settings WHERE name = ?1")
+            .bind(name)
+            .fetch_one(self.pool())
+            .await
+    }
+}
+
+impl AppDb for PgStore {
+    async fn migrate_all(&self) -> anyhow::Result<()> {
+        self.migrate().await?;
+        PG_APP_MIGRATIONS.run(self.pool()).await?;
+        Ok(())
+    }
+
+    async fn insert_payment(conn: &mut PgConnection, p: &Payment) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO payments
+                 (id, tenant, amount, currency, customer, description, status, created_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&p.id)
+        .bind(&p.tenant)
+        .bind(p.amount)
+        .bind(&p.currency)
+        .bind(&p.customer)
+        .bind(&p.description)
+        .bind(&p.status)
+        .bind(&p.created_at)
+        .execute(&mut *conn)
+        .await?;
+        sqlx::query(
+            "INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(&p.id)
+        .bind(&p.tenant)
+        .bind(p.amount)
+        .bind(&p.currency)
+        .bind(&p.created_at)
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
+
+    async fn payment(&self, tenant: &str, id: &str) -> Result<Option<Payment>, sqlx::Error> {
+        sqlx::query_as("SELECT * FROM payments WHERE tenant = $1 AND id = $2")
+            .bind(tenant)
+            .bind(id)
+            .fetch_optional(self.pool())
+            .await
+    }
+
+    async fn payments(&self, tenant: &str, limit: i64) -> Result<(Vec<Payment>, i64), sqlx::Error> {
+        let data = sqlx::query_as(
+            "SELECT * FROM payments WHERE tenant = $1 ORDER BY created_at DESC, id LIMIT $2",
+        )
+        .bind(tenant)
+        .bind(limit)
+        .fetch_all(self.pool())
+        .await?;
+        let total = sqlx::query_scalar("SELECT count(*) FROM payments WHERE tenant = $1")
+            .bind(tenant)
+            .fetch_one(self.pool())
+            .await?;
+        Ok((data, total))
+    }
+
+    async fn setting_or_init(&self, name: &str, value: &[u8]) -> Result<Vec<u8>, sqlx::Error> {
+        sqlx::query(
+            "INSERT INTO server_settings (name, value) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+        )
+        .bind(name)
+        .bind(value)
+        .execute(self.pool())
+        .await?;
+        sqlx::query_scalar("SELECT value FROM server_settings WHERE name = $1")
+            .bind(name)
+            .fetch_one(self.pool())
+            .await
+    }
+}

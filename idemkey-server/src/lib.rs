@@ -1,0 +1,98 @@
+//! # idemkey-server
+//!
+//! The `idemkey` binary's library: a reference payments API built on the idempotency layer
+//! the way a user's own service would be ([`app`]), the server around it ([`serve()`]), and
+//! the operator commands ([`keys`]).
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::middleware::from_fn_with_state;
+use axum::routing::{get, post};
+use idemkey_core::KeyHasher;
+use idemkey_tower::{IdempotencyLayer, InFlightPolicy, Metrics, status_router};
+
+mod auth;
+pub mod cli;
+mod db;
+pub mod keys;
+mod payments;
+mod problem;
+mod serve;
+
+pub use self::auth::ApiKeys;
+pub use self::db::{AppDb, Payment};
+pub use self::serve::{Database, ServeOptions, connect, serve};
+
+/// What the handlers share.
+#[derive(Debug, Clone)]
+pub struct AppState<S> {
+    /// The store, which also holds the payments tables.
+    pub db: S,
+    /// How long the payment handler waits inside its transaction (demos, race tests).
+    pub simulate_latency: Duration,
+}
+
+/// How the payments API applies the idempotency contract.
+#[derive(Debug, Clone)]
+pub struct AppConfig {
+    /// Bearer token → tenant.
+    pub api_keys: ApiKeys,
+    /// Wait inside the payment transaction (0: none).
+    pub simulate_latency: Duration,
+    /// How long outcomes are kept.
+    pub retention: Duration,
+    /// What a retry gets while the first attempt runs.
+    pub in_flight: InFlightPolicy,
+}
+
+/// The payments API:
+///
+/// - `POST /v1/payments` (key required) and `GET /v1/payments[/{id}]`;
+/// - `POST /v1/baseline/payments`: the same effect without idempotency, the baseline that
+///   `idemkey bench` compares against;
+/// - `GET /idempotency/v1/keys/{key}`: the status resource;
+/// - `GET /metrics` (Prometheus text) and `GET /healthz`, without authentication.
+pub fn app<S: AppDb>(db: S, hasher: KeyHasher, metrics: Metrics, config: &AppConfig) -> Router {
+    let idempotency = IdempotencyLayer::new(db.clone(), hasher.clone())
+        .retention(config.retention)
+        .in_flight(config.in_flight)
+        .metrics(metrics.clone());
+    let state = AppState {
+        db: db.clone(),
+        simulate_latency: config.simulate_latency,
+    };
+    let api = Router::new()
+        .route(
+            "/v1/payments",
+            post(payments::create_payment::<S>)
+                .layer(idempotency.clone().required())
+                .get(payments::list_payments::<S>),
+        )
+        .route("/v1/payments/{id}", get(payments::get_payment::<S>))
+        .route(
+            "/v1/baseline/payments",
+            post(payments::create_payment::<S>).layer(idempotency.off()),
+        )
+        .with_state(state)
+        .merge(status_router(db, hasher))
+        .layer(from_fn_with_state(
+            config.api_keys.clone(),
+            auth::authenticate,
+        ));
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/metrics",
+            get(move || {
+                let metrics = metrics.clone();
+                async move {
+                    (
+                        [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                        metrics.render(),
+                    )
+                }
+            }),
+        )
+        .merge(api)
+}

@@ -1,0 +1,68 @@
+//! `idemkey`: parses the command line, wires the parts, reports errors.
+
+use clap::Parser;
+use idemkey_server::cli::{Cli, Command, InFlight, KeysCommand};
+use idemkey_server::{ServeOptions, connect, keys, serve, with_store};
+use idemkey_tower::InFlightPolicy;
+use tracing_subscriber::EnvFilter;
+
+const DEFAULT_WAIT: std::time::Duration = InFlightPolicy::DEFAULT_WAIT;
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(Cli::parse()).await {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve(args) => {
+            let api_keys = args.all_api_keys().map_err(anyhow::Error::msg)?;
+            let options = ServeOptions {
+                listen: args.listen,
+                api_keys,
+                key_secret: args.key_secret.clone(),
+                simulate_latency: std::time::Duration::from_millis(args.simulate_latency),
+                retention: args.retention,
+                in_flight: match args.in_flight {
+                    InFlight::Wait => InFlightPolicy::Wait(args.wait_timeout),
+                    InFlight::Reject => InFlightPolicy::Reject,
+                },
+                purge_interval: args.purge_interval,
+            };
+            // Under `reject`, SQLite still waits for its single write lock (the default busy
+            // time-out): refusing at once would refuse every concurrent write, any key.
+            let lock_wait = match options.in_flight {
+                InFlightPolicy::Wait(bound) => bound,
+                InFlightPolicy::Reject => idemkey_sqlite::SqliteStore::DEFAULT_BUSY_TIMEOUT,
+            };
+            let db = connect(&args.db.database_url, args.db.max_connections, lock_wait).await?;
+            with_store!(db, store => serve(store, options).await)
+        }
+        Command::Migrate(db_args) => {
+            let db = connect(&db_args.database_url, db_args.max_connections, DEFAULT_WAIT).await?;
+            with_store!(db, store => idemkey_server::AppDb::migrate_all(&store).await)?;
+            println!("migrations are up to date");
+            Ok(())
+        }
+        Command::Keys(command) => {
+            let db_args = match &command {
+                KeysCommand::List { db, .. }
+                | KeysCommand::Show { db, .. }
+                | KeysCommand::Evict { db, .. }
+                | KeysCommand::Purge { db, .. } => db.clone(),
+            };
+            let db = connect(&db_args.database_url, db_args.max_connections, DEFAULT_WAIT).await?;
+            let mut out = std::io::stdout().lock();
+            with_store!(db, store => keys::run(store, command, &mut out).await)
+        }
+    }
+}
