@@ -7,6 +7,8 @@
 
 pub mod conformance;
 mod postgres;
+mod proxy;
 
 pub use self::conformance::Harness;
 pub use self::postgres::*;
+pub use self::proxy::{FaultConfig, FaultProxy, ProxyStats};

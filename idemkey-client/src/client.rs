@@ -1,0 +1,106 @@
+//! The client entry point.
+
+use std::future::Future;
+
+use reqwest::header::HeaderName;
+use reqwest::{IntoUrl, Request, RequestBuilder, Response};
+use serde::Serialize;
+
+use crate::retry::{self, Delivered, Mode, SendError, Stop, Transport};
+use crate::{Error, IdempotentResponse, Operation, RetryPolicy, header};
+
+/// A `reqwest::Client` that executes writes as idempotent operations.
+///
+/// Every attempt of an operation carries the operation's `Idempotency-Key` and the same body
+/// bytes. Connection failures, timeouts, 5xx, 429 and 409 `request-in-flight` are retried
+/// (honouring `Retry-After`, else with jittered exponential backoff); 400, 422 and 409
+/// `outcome-unknown` are returned as [`Error::Problem`]; any other answer is the server's final
+/// word and is returned as an [`IdempotentResponse`]. See [`RetryPolicy`] for the bounds.
+#[derive(Debug, Clone)]
+pub struct IdempotentClient {
+    client: reqwest::Client,
+    policy: RetryPolicy,
+}
+
+impl IdempotentClient {
+    /// Wraps `client` with the default [`RetryPolicy`].
+    pub fn new(client: reqwest::Client) -> Self {
+        Self::with_policy(client, RetryPolicy::default())
+    }
+
+    /// Wraps `client` with `policy`.
+    pub fn with_policy(client: reqwest::Client, policy: RetryPolicy) -> Self {
+        Self { client, policy }
+    }
+
+    /// The wrapped client (to build requests with).
+    pub fn inner(&self) -> &reqwest::Client {
+        &self.client
+    }
+
+    /// The retry policy.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    /// Executes `request` as (one call of) the operation `op`.
+    ///
+    /// The operation's key replaces any `Idempotency-Key` the request carries. The body must
+    /// be bytes, not a stream ([`Error::NotCloneable`]). Executing the same operation again,
+    /// after a restart or a returned error, sends the same key again: the server answers with
+    /// the stored outcome if there is one.
+    pub async fn execute(
+        &self,
+        op: &Operation,
+        mut request: Request,
+    ) -> Result<IdempotentResponse, Error> {
+        request.headers_mut().insert(
+            HeaderName::from_static(header::IDEMPOTENCY_KEY),
+            op.header_value().clone(),
+        );
+        let mut transport = ClientTransport {
+            client: &self.client,
+        };
+        match retry::run(&self.policy, op, request, &mut transport, Mode::Buffer).await {
+            Ok(Delivered::Read(response)) => Ok(response),
+            Ok(Delivered::Unread(..)) => unreachable!("Mode::Buffer reads every answer"),
+            Err(Stop::Error(e)) => Err(e),
+            Err(Stop::Other(_)) => unreachable!("the client transport has no middleware"),
+        }
+    }
+
+    /// Builds `request` and [`execute`](Self::execute)s it with this client (the builder's own
+    /// client is not used).
+    pub async fn send(
+        &self,
+        op: &Operation,
+        request: RequestBuilder,
+    ) -> Result<IdempotentResponse, Error> {
+        let request = request.build().map_err(Error::Build)?;
+        self.execute(op, request).await
+    }
+
+    /// `POST`s `body` as JSON to `url` as the operation `op`.
+    pub async fn post_json<T: Serialize + ?Sized>(
+        &self,
+        op: &Operation,
+        url: impl IntoUrl,
+        body: &T,
+    ) -> Result<IdempotentResponse, Error> {
+        self.send(op, self.client.post(url).json(body)).await
+    }
+}
+
+struct ClientTransport<'c> {
+    client: &'c reqwest::Client,
+}
+
+impl Transport for ClientTransport<'_> {
+    fn send(
+        &mut self,
+        request: Request,
+    ) -> impl Future<Output = Result<Response, SendError>> + Send {
+        let pending = self.client.execute(request);
+        async move { pending.await.map_err(SendError::Reqwest) }
+    }
+}

@@ -1,0 +1,337 @@
+//! The retry loop shared by [`IdempotentClient`](crate::IdempotentClient) and
+//! [`IdempotencyMiddleware`](crate::IdempotencyMiddleware).
+
+use std::future::Future;
+use std::time::{Duration, Instant, SystemTime};
+
+use reqwest::header::{HeaderMap, RETRY_AFTER};
+use reqwest::{Request, Response, StatusCode};
+
+use crate::problem::{problem_type, types};
+use crate::{
+    Error, Failure, IdempotencyInfo, IdempotentResponse, Operation, Problem, RetryPolicy, header,
+};
+
+/// Sends one attempt.
+pub(crate) trait Transport {
+    /// Sends `request` once.
+    fn send(
+        &mut self,
+        request: Request,
+    ) -> impl Future<Output = Result<Response, SendError>> + Send;
+}
+
+/// Why an attempt got no response.
+pub(crate) enum SendError {
+    /// reqwest failed: a transport error.
+    Reqwest(reqwest::Error),
+    /// Another middleware further down failed: passed on untouched.
+    Other(reqwest_middleware::Error),
+}
+
+/// Why the loop stopped without a final answer.
+pub(crate) enum Stop {
+    /// Our own error.
+    Error(Error),
+    /// Another middleware's error, passed on untouched.
+    Other(reqwest_middleware::Error),
+}
+
+impl From<Error> for Stop {
+    fn from(error: Error) -> Self {
+        Stop::Error(error)
+    }
+}
+
+/// Whether final answers are read in full or handed over unread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Read every body; a body that fails to arrive is retried.
+    Buffer,
+    /// Read a body only when needed to classify the answer.
+    Stream,
+}
+
+/// The final answer.
+pub(crate) enum Delivered {
+    /// Read in full.
+    Read(IdempotentResponse),
+    /// Handed over unread (only in [`Mode::Stream`]).
+    Unread(Response, IdempotencyInfo),
+}
+
+enum Answer {
+    Final(Delivered),
+    Refused(Problem),
+    Retry(Failure, Option<Duration>),
+}
+
+/// Sends `request` (which already carries the key) until the server gives a final answer, a
+/// refusal, or the policy says stop.
+pub(crate) async fn run<T: Transport>(
+    policy: &RetryPolicy,
+    op: &Operation,
+    mut request: Request,
+    transport: &mut T,
+    mode: Mode,
+) -> Result<Delivered, Stop> {
+    if request.try_clone().is_none() {
+        return Err(Error::NotCloneable.into());
+    }
+    if let Some(timeout) = policy.attempt_timeout()
+        && request.timeout().is_none()
+    {
+        *request.timeout_mut() = Some(timeout);
+    }
+    let started = Instant::now();
+    let first_attempt_at = op.begin(SystemTime::now());
+    let mut attempts = 0u32;
+    let mut last: Option<Failure> = None;
+    loop {
+        if let Some(horizon) = horizon(policy, op, first_attempt_at)
+            && !clear_of(SystemTime::now(), horizon, policy.expiry_margin())
+        {
+            return Err(Error::RetentionHorizon {
+                attempts,
+                horizon,
+                last: last.map(Box::new),
+            }
+            .into());
+        }
+        let Some(attempt) = request.try_clone() else {
+            return Err(Error::NotCloneable.into());
+        };
+        attempts += 1;
+        let (failure, retry_after) = match transport.send(attempt).await {
+            Err(SendError::Other(e)) => return Err(Stop::Other(e)),
+            Err(SendError::Reqwest(e)) if !retryable_transport(&e) => {
+                return Err(Error::Transport {
+                    source: e,
+                    attempts,
+                }
+                .into());
+            }
+            Err(SendError::Reqwest(e)) => (Failure::Transport(e), None),
+            Ok(response) => match answer(op, response, mode, attempts).await {
+                Answer::Final(delivered) => return Ok(delivered),
+                Answer::Refused(problem) => {
+                    return Err(Error::Problem {
+                        problem: Box::new(problem),
+                        attempts,
+                    }
+                    .into());
+                }
+                Answer::Retry(failure, retry_after) => (failure, retry_after),
+            },
+        };
+
+        let give_up = |failure| Error::GaveUp {
+            last: Box::new(failure),
+            attempts,
+            elapsed: started.elapsed(),
+        };
+        if attempts >= policy.max_attempts() {
+            return Err(give_up(failure).into());
+        }
+        let delay = retry_after.unwrap_or_else(|| policy.backoff(attempts));
+        if let Some(horizon) = horizon(policy, op, first_attempt_at) {
+            let next = SystemTime::now().checked_add(delay);
+            if !next.is_some_and(|next| clear_of(next, horizon, policy.expiry_margin())) {
+                return Err(Error::RetentionHorizon {
+                    attempts,
+                    horizon,
+                    last: Some(Box::new(failure)),
+                }
+                .into());
+            }
+        }
+        if started.elapsed().saturating_add(delay) > policy.max_elapsed() {
+            return Err(give_up(failure).into());
+        }
+        last = Some(failure);
+        tokio::time::sleep(delay).await;
+    }
+}
+
+/// When the server may forget the key: its last advertised expiry, else the first attempt plus
+/// the configured retention (`None`: too far to represent).
+fn horizon(
+    policy: &RetryPolicy,
+    op: &Operation,
+    first_attempt_at: SystemTime,
+) -> Option<SystemTime> {
+    op.expires_at()
+        .or_else(|| first_attempt_at.checked_add(policy.retention()))
+}
+
+/// Whether an attempt starting at `at` is clear of the horizon by the margin.
+fn clear_of(at: SystemTime, horizon: SystemTime, margin: Duration) -> bool {
+    at.checked_add(margin).is_some_and(|end| end < horizon)
+}
+
+/// Transport errors that another attempt cannot fix.
+fn retryable_transport(error: &reqwest::Error) -> bool {
+    !(error.is_builder() || error.is_redirect())
+}
+
+/// Statuses that are final whatever the body says.
+fn final_by_status(status: StatusCode) -> bool {
+    !matches!(status.as_u16(), 400 | 409 | 422 | 429 | 500..=599)
+}
+
+async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u32) -> Answer {
+    let status = response.status();
+    if let Some(expires_at) = expires(response.headers()) {
+        op.advertise(expires_at);
+    }
+    let info = IdempotencyInfo {
+        key: op.key().to_owned(),
+        attempts,
+        replayed: replayed(response.headers()),
+        expires_at: op.expires_at(),
+    };
+    if mode == Mode::Stream && final_by_status(status) {
+        return Answer::Final(Delivered::Unread(response, info));
+    }
+
+    let version = response.version();
+    let url = response.url().clone();
+    let headers = std::mem::take(response.headers_mut());
+    let extensions = std::mem::take(response.extensions_mut());
+    let body = match response.bytes().await {
+        Ok(body) => body,
+        // The answer was lost on the way: another attempt with the same key gets it again.
+        Err(e) => return Answer::Retry(Failure::Transport(e), None),
+    };
+    let kind = if final_by_status(status) {
+        None
+    } else {
+        problem_type(&headers, &body)
+    };
+    let kind = kind.as_deref();
+    enum Verdict {
+        Final,
+        Refuse,
+        Retry,
+    }
+    let verdict = match status.as_u16() {
+        400 if kind == Some(types::REQUEST_UNREADABLE) => Verdict::Retry,
+        400 | 422 => Verdict::Refuse,
+        409 if kind == Some(types::REQUEST_IN_FLIGHT) => Verdict::Retry,
+        409 if kind == Some(types::OUTCOME_UNKNOWN) => Verdict::Refuse,
+        429 => Verdict::Retry,
+        500..=599 if kind == Some(types::TRANSACTION_UNAVAILABLE) => Verdict::Refuse,
+        500..=599 => Verdict::Retry,
+        _ => Verdict::Final,
+    };
+    match verdict {
+        Verdict::Refuse => Answer::Refused(Problem::parse(status, headers, body)),
+        Verdict::Final | Verdict::Retry => {
+            let retry_after = retry_after(&headers, SystemTime::now());
+            let read = IdempotentResponse {
+                status,
+                version,
+                url,
+                headers,
+                body,
+                extensions,
+                info,
+            };
+            if matches!(verdict, Verdict::Final) {
+                Answer::Final(Delivered::Read(read))
+            } else {
+                Answer::Retry(Failure::Response(Box::new(read)), retry_after)
+            }
+        }
+    }
+}
+
+/// `Retry-After`, in seconds or as an HTTP-date (a date in the past means now).
+pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// `Idempotency-Key-Expires`.
+fn expires(headers: &HeaderMap) -> Option<SystemTime> {
+    let value = headers
+        .get(header::IDEMPOTENCY_KEY_EXPIRES)?
+        .to_str()
+        .ok()?;
+    httpdate::parse_http_date(value.trim()).ok()
+}
+
+/// `Idempotent-Replayed: true`.
+fn replayed(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::IDEMPOTENT_REPLAYED)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::HeaderValue;
+
+    fn with(name: &'static str, value: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(name, HeaderValue::from_str(value).unwrap());
+        h
+    }
+
+    #[test]
+    fn retry_after_in_seconds_or_as_a_date() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        assert_eq!(
+            retry_after(&with("retry-after", " 7 "), now),
+            Some(Duration::from_secs(7))
+        );
+        let later = httpdate::fmt_http_date(now + Duration::from_secs(30));
+        assert_eq!(
+            retry_after(&with("retry-after", &later), now),
+            Some(Duration::from_secs(30))
+        );
+        let earlier = httpdate::fmt_http_date(now - Duration::from_secs(30));
+        assert_eq!(
+            retry_after(&with("retry-after", &earlier), now),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(retry_after(&with("retry-after", "soon"), now), None);
+        assert_eq!(retry_after(&HeaderMap::new(), now), None);
+    }
+
+    #[test]
+    fn expiry_and_replay_headers() {
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let h = with("idempotency-key-expires", &httpdate::fmt_http_date(at));
+        assert_eq!(expires(&h), Some(at));
+        assert!(replayed(&with("idempotent-replayed", "true")));
+        assert!(replayed(&with("idempotent-replayed", "TRUE")));
+        assert!(!replayed(&with("idempotent-replayed", "false")));
+        assert!(!replayed(&HeaderMap::new()));
+    }
+
+    #[test]
+    fn the_margin_keeps_attempts_clear_of_the_horizon() {
+        let h = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
+        let at = |s| SystemTime::UNIX_EPOCH + Duration::from_secs(s);
+        assert!(clear_of(at(98), h, Duration::from_secs(1)));
+        assert!(!clear_of(at(99), h, Duration::from_secs(1)));
+        assert!(!clear_of(at(100), h, Duration::ZERO));
+    }
+
+    #[test]
+    fn which_statuses_need_a_look_at_the_body() {
+        for s in [200, 201, 302, 401, 402, 404, 413] {
+            assert!(final_by_status(StatusCode::from_u16(s).unwrap()), "{s}");
+        }
+        for s in [400, 409, 422, 429, 500, 503, 599] {
+            assert!(!final_by_status(StatusCode::from_u16(s).unwrap()), "{s}");
+        }
+    }
+}
