@@ -26,6 +26,74 @@ pub enum Command {
     /// Inspect and manage idempotency records.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// Load-test a server that speaks the contract (ratios against a baseline in one run).
+    Bench(BenchArgs),
+    /// Show what idemkey is for: payments through a network that loses responses.
+    Demo(DemoArgs),
+}
+
+/// `idemkey demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Logical payments to make.
+    #[arg(long, default_value_t = 200)]
+    pub payments: usize,
+    /// Share of responses lost after the server answered (0.0 to 1.0).
+    #[arg(long, default_value_t = 0.3)]
+    pub loss: f64,
+    /// Payments in flight at once.
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: usize,
+    /// The database; default: a temporary SQLite file.
+    #[arg(long)]
+    pub database_url: Option<String>,
+    /// Seed of the losses, for a reproducible run.
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+/// `idemkey bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// The server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// Bearer token of the tenant to load.
+    #[arg(long, env = "IDEMKEY_TOKEN", hide_env_values = true)]
+    pub token: String,
+    /// The load shape.
+    #[arg(long, value_enum, default_value_t = crate::bench::Mode::Fresh)]
+    pub mode: crate::bench::Mode,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Requests per measured phase.
+    #[arg(long, default_value_t = 2000)]
+    pub requests: usize,
+    /// Upper bound of each phase (e.g. 60s).
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// Concurrent requests per key (race mode).
+    #[arg(long, default_value_t = 8)]
+    pub race_width: usize,
+    /// Share of replays (mixed mode).
+    #[arg(long, default_value_t = 0.5)]
+    pub replay_ratio: f64,
+    /// The keyed route.
+    #[arg(long, default_value = "/v1/payments")]
+    pub path: String,
+    /// The unkeyed route doing the same effect (fresh mode's baseline).
+    #[arg(long, default_value = "/v1/baseline/payments")]
+    pub baseline_path: String,
+    /// Where effects are counted (GET, JSON `total`); "" to skip the read-back.
+    #[arg(long, default_value = "/v1/payments?limit=1")]
+    pub effects_path: String,
+    /// Report this server process's peak memory (Linux).
+    #[arg(long)]
+    pub server_pid: Option<u32>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Where the database is.

@@ -13,8 +13,10 @@ use idemkey_core::KeyHasher;
 use idemkey_tower::{IdempotencyLayer, InFlightPolicy, Metrics, status_router};
 
 mod auth;
+pub mod bench;
 pub mod cli;
 mod db;
+pub mod demo;
 pub mod keys;
 mod payments;
 mod problem;

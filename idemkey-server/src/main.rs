@@ -53,6 +53,58 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("migrations are up to date");
             Ok(())
         }
+        Command::Bench(args) => {
+            let json = args.json;
+            let report = idemkey_server::bench::bench(idemkey_server::bench::BenchOptions {
+                url: args.url.trim_end_matches('/').to_owned(),
+                path: args.path,
+                baseline_path: args.baseline_path,
+                effects_path: args.effects_path,
+                token: args.token,
+                mode: args.mode,
+                concurrency: args.concurrency,
+                requests: args.requests,
+                duration: args.duration,
+                race_width: args.race_width,
+                replay_ratio: args.replay_ratio,
+                server_pid: args.server_pid,
+                json,
+            })
+            .await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.table());
+            }
+            if report.found_duplicates() {
+                anyhow::bail!("duplicates found: an operation ran more than once");
+            }
+            Ok(())
+        }
+        Command::Demo(args) => {
+            if !(0.0..=1.0).contains(&args.loss) {
+                anyhow::bail!("--loss must be between 0.0 and 1.0");
+            }
+            println!(
+                "Sending {} payments through a proxy that loses {:.0}% of responses after the server answered.",
+                args.payments,
+                args.loss * 100.0
+            );
+            let report = idemkey_server::demo::run(idemkey_server::demo::DemoOptions {
+                operations: args.payments,
+                loss: args.loss,
+                concurrency: args.concurrency,
+                database_url: args.database_url,
+                seed: args.seed,
+                quiet: false,
+            })
+            .await?;
+            print!("{}", report.render());
+            if !report.is_exact() {
+                std::process::exit(2);
+            }
+            Ok(())
+        }
         Command::Keys(command) => {
             let db_args = match &command {
                 KeysCommand::List { db, .. }

@@ -1,0 +1,456 @@
+//! `idemkey bench`: a load generator against any server speaking the contract.
+//!
+//! Each run measures its own baseline, so a result is a ratio taken under the same machine
+//! load: `fresh` runs the unkeyed route first (`--baseline-path`) and then the keyed one;
+//! `replay` runs `fresh` (which also creates the keys) and then replays those keys.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{Rng, RngCore};
+use serde::Serialize;
+use tokio::sync::Mutex;
+
+/// The load shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// A new key per request; compared with the unkeyed baseline route.
+    Fresh,
+    /// Keys already completed; compared with the fresh phase that created them.
+    Replay,
+    /// `--race-width` concurrent requests per key; effects read back to find duplicates.
+    Race,
+    /// A mix of replays (`--replay-ratio`) and fresh keys.
+    Mixed,
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// The server, e.g. `http://127.0.0.1:8080`.
+    pub url: String,
+    /// The keyed route's path.
+    pub path: String,
+    /// The unkeyed route doing the same effect (the baseline of `fresh`).
+    pub baseline_path: String,
+    /// Where the effects are counted (`GET`, JSON with `total`); empty: not read back.
+    pub effects_path: String,
+    /// Bearer token.
+    pub token: String,
+    /// The load shape.
+    pub mode: Mode,
+    /// Requests in flight at once.
+    pub concurrency: usize,
+    /// Requests per measured phase.
+    pub requests: usize,
+    /// Upper bound of each phase.
+    pub duration: Duration,
+    /// Concurrent requests per key in `race`.
+    pub race_width: usize,
+    /// Share of replays in `mixed`.
+    pub replay_ratio: f64,
+    /// A server process to report the peak memory of (Linux `VmHWM`).
+    pub server_pid: Option<u32>,
+    /// Print JSON instead of a table.
+    pub json: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Req {
+    key: Option<String>,
+    body: String,
+    path_is_baseline: bool,
+}
+
+/// One measured phase.
+#[derive(Debug, Serialize)]
+pub struct Phase {
+    name: String,
+    requests: u64,
+    seconds: f64,
+    requests_per_second: f64,
+    p50_ms: f64,
+    p90_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+    statuses: BTreeMap<u16, u64>,
+    transport_errors: u64,
+    replayed: u64,
+    #[serde(skip)]
+    created_keys: Vec<(String, String)>,
+}
+
+/// Effects read back after the run.
+#[derive(Debug, Serialize)]
+pub struct Effects {
+    before: i64,
+    after: i64,
+    /// Effects the run should have made: one per key that got a 2xx.
+    expected: i64,
+    /// `after - before - expected`: more than zero means an operation ran twice.
+    duplicates: i64,
+}
+
+/// The whole report.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    mode: Mode,
+    concurrency: usize,
+    phases: Vec<Phase>,
+    /// Throughput of the second phase over the first (keyed / baseline, replay / fresh).
+    ratio: Option<f64>,
+    effects: Option<Effects>,
+    server_peak_rss_kib: Option<u64>,
+}
+
+struct Load {
+    client: reqwest::Client,
+    options: BenchOptions,
+    run_id: String,
+}
+
+fn body(n: usize) -> String {
+    format!(
+        r#"{{"amount":{},"currency":"EUR","customer":"bench-{}","description":"load test"}}"#,
+        100 + n % 9000,
+        n % 1000
+    )
+}
+
+impl Load {
+    fn key(&self, n: usize) -> String {
+        format!("bench-{}-{n}", self.run_id)
+    }
+
+    async fn effects(&self) -> Option<i64> {
+        if self.options.effects_path.is_empty() {
+            return None;
+        }
+        let url = format!("{}{}", self.options.url, self.options.effects_path);
+        let response = self
+            .client
+            .get(url)
+            .bearer_auth(&self.options.token)
+            .send()
+            .await
+            .ok()?;
+        let json: serde_json::Value = response.json().await.ok()?;
+        json["total"].as_i64()
+    }
+
+    async fn phase(&self, name: &str, plan: Vec<Req>) -> anyhow::Result<Phase> {
+        let total = plan.len();
+        let plan = Arc::new(plan);
+        let next = Arc::new(AtomicUsize::new(0));
+        let results = Arc::new(Mutex::new(Vec::with_capacity(total)));
+        let bar = if self.options.json {
+            ProgressBar::hidden()
+        } else {
+            ProgressBar::new(total as u64)
+        };
+        bar.set_style(
+            ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len} {per_sec}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        bar.set_message(name.to_owned());
+        let started = Instant::now();
+        let deadline = started + self.options.duration;
+        let workers: Vec<_> = (0..self.options.concurrency.max(1))
+            .map(|_| {
+                let (plan, next, results, bar) =
+                    (plan.clone(), next.clone(), results.clone(), bar.clone());
+                let client = self.client.clone();
+                let options = self.options.clone();
+                tokio::spawn(async move {
+                    let mut local = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= plan.len() || Instant::now() >= deadline {
+                            break;
+                        }
+                        let req = &plan[i];
+                        let path = if req.path_is_baseline {
+                            &options.baseline_path
+                        } else {
+                            &options.path
+                        };
+                        let mut builder = client
+                            .post(format!("{}{path}", options.url))
+                            .bearer_auth(&options.token)
+                            .header("content-type", "application/json")
+                            .body(req.body.clone());
+                        if let Some(key) = &req.key {
+                            builder = builder.header("idempotency-key", key);
+                        }
+                        let t = Instant::now();
+                        let outcome = match builder.send().await {
+                            Ok(response) => {
+                                let replayed =
+                                    response.headers().contains_key("idempotent-replayed");
+                                let status = response.status().as_u16();
+                                // Read the body: the request is done when the response is.
+                                let _ = response.bytes().await;
+                                Ok((status, replayed))
+                            }
+                            Err(_) => Err(()),
+                        };
+                        local.push((i, t.elapsed(), outcome));
+                        bar.inc(1);
+                    }
+                    results.lock().await.extend(local);
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.await.context("a load worker failed")?;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        bar.finish_and_clear();
+        let results = results.lock().await;
+        let mut hist = Histogram::<u64>::new_with_bounds(1, 120_000_000, 3)?;
+        let mut statuses = BTreeMap::new();
+        let (mut transport_errors, mut replayed) = (0, 0);
+        let mut created_keys = Vec::new();
+        for (i, elapsed, outcome) in results.iter() {
+            hist.saturating_record(elapsed.as_micros().max(1) as u64);
+            match outcome {
+                Ok((status, was_replayed)) => {
+                    *statuses.entry(*status).or_default() += 1;
+                    replayed += u64::from(*was_replayed);
+                    if (200..300).contains(status)
+                        && let Some(key) = &plan[*i].key
+                    {
+                        created_keys.push((key.clone(), plan[*i].body.clone()));
+                    }
+                }
+                Err(()) => transport_errors += 1,
+            }
+        }
+        let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+        let requests = results.len() as u64;
+        Ok(Phase {
+            name: name.to_owned(),
+            requests,
+            seconds,
+            requests_per_second: requests as f64 / seconds.max(1e-9),
+            p50_ms: ms(0.50),
+            p90_ms: ms(0.90),
+            p99_ms: ms(0.99),
+            max_ms: hist.max() as f64 / 1000.0,
+            statuses,
+            transport_errors,
+            replayed,
+            created_keys,
+        })
+    }
+}
+
+/// Runs the benchmark and prints its report.
+pub async fn bench(options: BenchOptions) -> anyhow::Result<Report> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(options.concurrency.max(1))
+        .timeout(Duration::from_secs(60))
+        .build()?;
+    let mut id = [0u8; 6];
+    rand::thread_rng().fill_bytes(&mut id);
+    let load = Load {
+        client,
+        options: options.clone(),
+        run_id: hex::encode(id),
+    };
+    let n = options.requests.max(1);
+    let before = load.effects().await;
+    let mut phases = Vec::new();
+    let mut warm_keys: Vec<String> = Vec::new();
+    match options.mode {
+        Mode::Fresh => {
+            let baseline = (0..n)
+                .map(|i| Req {
+                    key: None,
+                    body: body(i),
+                    path_is_baseline: true,
+                })
+                .collect();
+            phases.push(load.phase("baseline", baseline).await?);
+            let keyed = (0..n)
+                .map(|i| Req {
+                    key: Some(load.key(i)),
+                    body: body(i),
+                    path_is_baseline: false,
+                })
+                .collect();
+            phases.push(load.phase("fresh", keyed).await?);
+        }
+        Mode::Replay => {
+            let keyed: Vec<Req> = (0..n)
+                .map(|i| Req {
+                    key: Some(load.key(i)),
+                    body: body(i),
+                    path_is_baseline: false,
+                })
+                .collect();
+            phases.push(load.phase("fresh", keyed.clone()).await?);
+            phases.push(load.phase("replay", keyed).await?);
+        }
+        Mode::Race => {
+            let width = options.race_width.max(2);
+            let keys = n.div_ceil(width);
+            let plan = (0..keys)
+                .flat_map(|k| {
+                    let key = load.key(k);
+                    (0..width).map(move |_| Req {
+                        key: Some(key.clone()),
+                        body: body(k),
+                        path_is_baseline: false,
+                    })
+                })
+                .collect();
+            phases.push(load.phase("race", plan).await?);
+        }
+        Mode::Mixed => {
+            let warm = (n / 10).max(1);
+            let seed: Vec<Req> = (0..warm)
+                .map(|i| Req {
+                    key: Some(load.key(i)),
+                    body: body(i),
+                    path_is_baseline: false,
+                })
+                .collect();
+            let warmed = load.phase("warm-up", seed).await?;
+            warm_keys = warmed.created_keys.into_iter().map(|(k, _)| k).collect();
+            let mut rng = rand::thread_rng();
+            let plan = (0..n)
+                .map(|i| {
+                    let k = if rng.gen_bool(options.replay_ratio.clamp(0.0, 1.0)) {
+                        rng.gen_range(0..warm)
+                    } else {
+                        warm + i
+                    };
+                    Req {
+                        key: Some(load.key(k)),
+                        body: body(k),
+                        path_is_baseline: false,
+                    }
+                })
+                .collect();
+            phases.push(load.phase("mixed", plan).await?);
+        }
+    }
+    let after = load.effects().await;
+    let effects = match (before, after) {
+        (Some(before), Some(after)) => {
+            let mut keys: Vec<&String> = phases
+                .iter()
+                .flat_map(|p| p.created_keys.iter().map(|(k, _)| k))
+                .chain(&warm_keys)
+                .collect();
+            keys.sort();
+            keys.dedup();
+            let unkeyed: i64 = phases
+                .iter()
+                .filter(|p| p.name == "baseline")
+                .map(|p| {
+                    p.statuses
+                        .iter()
+                        .filter(|(s, _)| (200..300).contains(*s))
+                        .map(|(_, n)| *n as i64)
+                        .sum::<i64>()
+                })
+                .sum();
+            let expected = keys.len() as i64 + unkeyed;
+            Some(Effects {
+                before,
+                after,
+                expected,
+                duplicates: after - before - expected,
+            })
+        }
+        _ => None,
+    };
+    let ratio = match phases.as_slice() {
+        [first, second] => Some(second.requests_per_second / first.requests_per_second.max(1e-9)),
+        _ => None,
+    };
+    let report = Report {
+        mode: options.mode,
+        concurrency: options.concurrency,
+        phases,
+        ratio,
+        effects,
+        server_peak_rss_kib: options.server_pid.and_then(peak_rss_kib),
+    };
+    Ok(report)
+}
+
+/// `VmHWM` of a process, in KiB (Linux).
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+impl Report {
+    /// Whether the run found an operation executed twice.
+    pub fn found_duplicates(&self) -> bool {
+        self.effects.as_ref().is_some_and(|e| e.duplicates > 0)
+    }
+
+    /// A human-readable table.
+    pub fn table(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:<9} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}  statuses",
+            "phase", "requests", "req/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "replayed"
+        );
+        for p in &self.phases {
+            let statuses: Vec<String> = p
+                .statuses
+                .iter()
+                .map(|(s, n)| format!("{s}:{n}"))
+                .chain(
+                    (p.transport_errors > 0).then(|| format!("transport:{}", p.transport_errors)),
+                )
+                .collect();
+            let _ = writeln!(
+                out,
+                "{:<9} {:>8} {:>10.1} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9}  {}",
+                p.name,
+                p.requests,
+                p.requests_per_second,
+                p.p50_ms,
+                p.p90_ms,
+                p.p99_ms,
+                p.max_ms,
+                p.replayed,
+                statuses.join(" ")
+            );
+        }
+        if let (Some(ratio), [first, second]) = (self.ratio, self.phases.as_slice()) {
+            let _ = writeln!(out, "ratio {}/{}: {ratio:.3}", second.name, first.name);
+        }
+        if let Some(e) = &self.effects {
+            let _ = writeln!(
+                out,
+                "effects: {} new (expected {}), duplicates: {}",
+                e.after - e.before,
+                e.expected,
+                e.duplicates
+            );
+        }
+        if let Some(kib) = self.server_peak_rss_kib {
+            let _ = writeln!(out, "server peak memory: {:.1} MiB", kib as f64 / 1024.0);
+        }
+        out
+    }
+}
