@@ -25,6 +25,8 @@ pub mod types {
     pub const OUTCOME_UNKNOWN: &str = "urn:idemkey:problem:outcome-unknown";
     /// 503: the idempotency store is unreachable; retried.
     pub const STORE_UNAVAILABLE: &str = "urn:idemkey:problem:store-unavailable";
+    /// 503: the store did not grant its lock in time; nothing ran (retried).
+    pub const STORE_BUSY: &str = "urn:idemkey:problem:store-busy";
     /// 500: the response could not be stored; retried.
     pub const RESPONSE_TOO_LARGE: &str = "urn:idemkey:problem:response-too-large";
     /// 500: the handler failed; retried.

@@ -57,6 +57,13 @@ pub enum IdempotencyRejection {
         /// When to try again.
         retry_after: Duration,
     },
+    /// The store did not grant its lock in time (SQLite: the single write lock, held by any
+    /// request); nothing was executed.
+    #[error("the idempotency store is busy; the request was not executed")]
+    StoreBusy {
+        /// When to try again.
+        retry_after: Duration,
+    },
     /// The handler's response was too large to store; its effect was rolled back.
     #[error(
         "the response was larger than {limit} bytes and could not be stored; nothing was executed"
@@ -87,7 +94,9 @@ impl IdempotencyRejection {
             Self::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::KeyReused(_) => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InFlight { .. } | Self::OutcomeUnknown { .. } => StatusCode::CONFLICT,
-            Self::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::StoreUnavailable { .. } | Self::StoreBusy { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::ResponseTooLarge { .. } | Self::Internal | Self::TransactionUnavailable => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -106,6 +115,7 @@ impl IdempotencyRejection {
             Self::InFlight { .. } => "request-in-flight",
             Self::OutcomeUnknown { .. } => "outcome-unknown",
             Self::StoreUnavailable { .. } => "store-unavailable",
+            Self::StoreBusy { .. } => "store-busy",
             Self::ResponseTooLarge { .. } => "response-too-large",
             Self::Internal => "internal-error",
             Self::TransactionUnavailable => "transaction-unavailable",
@@ -123,6 +133,7 @@ impl IdempotencyRejection {
             Self::InFlight { .. } => "Request in flight",
             Self::OutcomeUnknown { .. } => "Outcome unknown",
             Self::StoreUnavailable { .. } => "Idempotency store unavailable",
+            Self::StoreBusy { .. } => "Idempotency store busy",
             Self::ResponseTooLarge { .. } => "Response too large to store",
             Self::Internal => "Internal error",
             Self::TransactionUnavailable => "Transaction unavailable",
@@ -144,7 +155,9 @@ impl IntoResponse for IdempotencyRejection {
         let mut link = None;
         match &self {
             Self::KeyReused(m) => body["differs"] = serde_json::json!(m.parts()),
-            Self::InFlight { retry_after: r } | Self::StoreUnavailable { retry_after: r } => {
+            Self::InFlight { retry_after: r }
+            | Self::StoreUnavailable { retry_after: r }
+            | Self::StoreBusy { retry_after: r } => {
                 retry_after = Some(r.as_secs().max(1));
             }
             Self::OutcomeUnknown { status_url } => {
@@ -158,6 +171,11 @@ impl IntoResponse for IdempotencyRejection {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         if let Some(secs) = retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if matches!(self, Self::RequestTooLarge { .. }) {
+            // The body may not have been read to its end: the connection cannot carry
+            // another request.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         if let Some(link) = link.and_then(|l| HeaderValue::from_str(&l).ok()) {
             headers.insert(header::LINK, link);

@@ -12,7 +12,7 @@ use axum::response::{IntoResponse, Response};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, header};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{
     HEADER_NAME, IdempotencyKey, RecordId, RequestParts, Scope, Store, StoreError, StoredResponse,
@@ -171,10 +171,18 @@ where
     response
 }
 
+/// The answer when the store fails outside the claim: 503 with `Retry-After`, `store-busy`
+/// when a lock was not granted in time (on SQLite that lock is the whole database's, held by
+/// any request, so it says nothing about this key), `store-unavailable` otherwise.
 fn store_unavailable(error: &StoreError) -> Response {
     tracing::warn!(error = %error, source = ?std::error::Error::source(error), "idempotency store failed");
-    IdempotencyRejection::StoreUnavailable {
-        retry_after: RETRY_AFTER,
+    match error {
+        StoreError::Busy(_) => IdempotencyRejection::StoreBusy {
+            retry_after: RETRY_AFTER,
+        },
+        _ => IdempotencyRejection::StoreUnavailable {
+            retry_after: RETRY_AFTER,
+        },
     }
     .into_response()
 }
@@ -267,9 +275,6 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
 
         let mut tx = match store.begin().await {
             Ok(tx) => tx,
-            // SQLite takes its write lock here, so a lock not granted in time means another
-            // attempt holds it: the same answer as a claim that waited too long.
-            Err(StoreError::Busy(_)) => return self.answer_existing(in_flight()),
             Err(e) => return self.finish(Outcome::StoreError, store_unavailable(&e)),
         };
         let wait = match self.config.in_flight {
@@ -277,12 +282,10 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
             InFlightPolicy::Wait(bound) => Some(bound),
             InFlightPolicy::Reject => Some(Duration::from_millis(1)),
         };
-        if let Some(wait) = wait {
-            match store.limit_lock_wait(&mut tx, wait).await {
-                Ok(()) => {}
-                Err(StoreError::Busy(_)) => return self.answer_existing(in_flight()),
-                Err(e) => return self.finish(Outcome::StoreError, store_unavailable(&e)),
-            }
+        if let Some(wait) = wait
+            && let Err(e) = store.limit_lock_wait(&mut tx, wait).await
+        {
+            return self.finish(Outcome::StoreError, store_unavailable(&e));
         }
         let outcome = match protocol::claim(&store, &mut tx, &claim).await {
             Ok(outcome) => outcome,
@@ -384,12 +387,6 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
     }
 }
 
-fn in_flight() -> ClaimOutcome {
-    ClaimOutcome::InFlight {
-        lease_expires_at: None,
-    }
-}
-
 fn storing_failed(e: protocol::Error) -> Response {
     match e {
         protocol::Error::Store(e) => store_unavailable(&e),
@@ -397,25 +394,43 @@ fn storing_failed(e: protocol::Error) -> Response {
     }
 }
 
+/// How much of an over-limit body is read and discarded before the 413, so the client,
+/// still sending, gets the answer instead of a reset connection.
+const DRAIN_LIMIT: usize = 4 * 1024 * 1024;
+
 async fn read_body(
     headers: &HeaderMap,
-    body: Body,
+    mut body: Body,
     limit: usize,
 ) -> Result<bytes::Bytes, IdempotencyRejection> {
+    let too_large = IdempotencyRejection::RequestTooLarge { limit };
+    let drain_cap = limit.saturating_add(DRAIN_LIMIT);
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(IdempotencyRejection::RequestTooLarge { limit });
+    if declared.is_some_and(|n| n > drain_cap as u64) {
+        return Err(too_large);
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(IdempotencyRejection::RequestTooLarge { limit })
+    let mut buf = bytes::BytesMut::new();
+    let mut seen = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|_| IdempotencyRejection::RequestUnreadable)?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        seen = seen.saturating_add(data.len());
+        if seen > drain_cap {
+            return Err(too_large);
         }
-        Err(_) => Err(IdempotencyRejection::RequestUnreadable),
+        if seen <= limit {
+            buf.extend_from_slice(&data);
+        }
     }
+    if seen > limit {
+        return Err(too_large);
+    }
+    Ok(buf.freeze())
 }
 
 /// The headers that are stored and replayed: `Content-Type`, `Location`, `ETag` and the

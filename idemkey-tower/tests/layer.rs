@@ -668,13 +668,13 @@ async fn store_header_adds_a_replayed_header() {
 }
 
 /// SQLite takes its write lock in `store.begin()` (`BEGIN IMMEDIATE`), so a retry that
-/// arrives while the first attempt holds the key waits there. When that wait runs out the
-/// answer is 409 `request-in-flight` + `Retry-After`, not 503: the store is up, the key is
-/// busy.
+/// arrives while the first attempt holds it waits there. That lock is the whole database's:
+/// when the wait runs out the layer cannot tell this key from any other writer, so the answer
+/// is 503 `store-busy` + `Retry-After` (nothing ran), not a claim that this key is in flight.
 ///
 /// The store here has a 200 ms busy time-out and the first attempt runs for 1 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn busy_store_while_first_attempt_runs_answers_409_in_flight() {
+async fn busy_sqlite_lock_answers_503_store_busy_and_runs_nothing() {
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 
     let dir = tempfile::tempdir().unwrap();
@@ -709,8 +709,8 @@ async fn busy_store_while_first_attempt_runs_answers_409_in_flight() {
     assert_eq!(owner.status, StatusCode::CREATED);
     assert_eq!(effects(&store).await, 1);
 
-    retry.problem(StatusCode::CONFLICT, "request-in-flight");
+    retry.problem(StatusCode::SERVICE_UNAVAILABLE, "store-busy");
     assert!(retry.header("retry-after").is_some());
-    assert_eq!(m.count(Outcome::InFlight), 1);
-    assert_eq!(m.count(Outcome::StoreError), 0);
+    assert_eq!(m.count(Outcome::InFlight), 0);
+    assert_eq!(m.count(Outcome::StoreError), 1);
 }
