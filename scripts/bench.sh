@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Reproduces docs/benchmarks.md: builds idemkey in release mode, then for SQLite and for a
+# throwaway PostgreSQL (fsync on, default settings) starts `idemkey serve` and runs
+# `idemkey bench` in fresh mode (against the unkeyed baseline route, in the same run) and
+# replay mode (against the fresh phase of the same run). Loopback only; bounded by
+# --requests and --duration.
+#
+#   scripts/bench.sh [REQUESTS] [CONCURRENCY]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REQUESTS=${1:-5000}
+CONCURRENCY=${2:-32}
+OUT=${OUT:-target/bench-results}
+mkdir -p "$OUT"
+cargo build --release -q -p idemkey-server
+BIN=$PWD/target/release/idemkey
+WORK=$(mktemp -d /tmp/idemkey-bench.XXXXXX)
+chmod 755 "$WORK"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  if [ -n "${PGDATA_DIR:-}" ]; then
+    $AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -m fast stop >/dev/null 2>&1 || true
+  fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+serve() { # $1 = database URL; prints the PID, waits until it listens
+  local port; port=$(free_port)
+  "$BIN" serve --listen "127.0.0.1:$port" --database-url "$1" --api-key bench=tok_bench \
+    --max-connections 64 >"$WORK/serve-$port.log" 2>&1 &
+  local pid=$!
+  PIDS+=("$pid")
+  for _ in $(seq 100); do
+    grep -q "listening" "$WORK/serve-$port.log" && break
+    sleep 0.1
+  done
+  SERVER_PID=$pid
+  SERVER_URL="http://127.0.0.1:$port"
+}
+
+run_bench() { # $1 = label
+  for mode in fresh replay; do
+    "$BIN" bench --url "$SERVER_URL" --token tok_bench --mode "$mode" \
+      --requests "$REQUESTS" --concurrency "$CONCURRENCY" --duration 120s \
+      --server-pid "$SERVER_PID" --json >"$OUT/$1-$mode.json"
+    echo "== $1 $mode"
+    python3 - "$OUT/$1-$mode.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for p in r["phases"]:
+    print(f'  {p["name"]:<9} {p["requests_per_second"]:>9.1f} req/s  p50 {p["p50_ms"]:.2f} ms  p99 {p["p99_ms"]:.2f} ms  max {p["max_ms"]:.2f} ms  statuses {p["statuses"]}')
+print(f'  ratio {r["ratio"]:.3f}  duplicates {r["effects"]["duplicates"]}  server peak {r["server_peak_rss_kib"]/1024:.1f} MiB')
+PY
+  done
+}
+
+# SQLite
+serve "sqlite:$WORK/bench.db"
+run_bench sqlite
+kill "$SERVER_PID"
+
+# PostgreSQL, fsync on
+PGBIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
+AS_PG=""
+[ "$(id -u)" = 0 ] && AS_PG="runuser -u postgres --"
+PGDATA_DIR=$WORK/pg
+mkdir -p "$PGDATA_DIR" && [ -n "$AS_PG" ] && chown postgres "$WORK" "$PGDATA_DIR"
+$AS_PG "$PGBIN/initdb" -D "$PGDATA_DIR" -A trust -U postgres -E UTF8 --no-locale >/dev/null
+PGPORT=$(free_port)
+$AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -l "$WORK/pg.log" -w \
+  -o "-p $PGPORT -c listen_addresses=127.0.0.1 -c unix_socket_directories=$WORK -c max_connections=200" start >/dev/null
+serve "postgres://postgres@127.0.0.1:$PGPORT/postgres"
+run_bench postgres
+echo "JSON reports in $OUT"
