@@ -1782,6 +1782,7 @@ fn status_path(key: &str) -> String {
 
 /// Expands every scenario shared by the stores into a `#[tokio::test]` on the backend that
 /// `$backend` (an async expression giving a [`Backend`]) makes.
+#[allow(unused_macros)] // not every test file runs the scenarios
 macro_rules! e2e_scenarios {
     ($backend:expr) => {
         e2e_scenarios!(@tests $backend;
@@ -1809,4 +1810,5 @@ macro_rules! e2e_scenarios {
         )*
     };
 }
+#[allow(unused_imports)]
 pub(crate) use e2e_scenarios;
