@@ -148,6 +148,7 @@ mod tests {
             created_at: Timestamp(0),
             updated_at: Timestamp(0),
             expires_at: Timestamp(1_000),
+            sealed_key: None,
         }
     }
 

@@ -29,9 +29,9 @@ mod time;
 pub use self::decision::{Decision, Mismatch, decide};
 pub use self::fingerprint::*;
 pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use self::record::{NewRecord, Record, RecordState, StoredResponse};
+pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse};
 pub use self::scope::{KeyHasher, RecordId, Scope};
 #[cfg(feature = "sqlx")]
-pub use self::sqlx_row::{RecordRow, classify_error};
+pub use self::sqlx_row::{AuditRow, RecordRow, classify_error};
 pub use self::store::{BoxError, ListFilter, Store, StoreError};
 pub use self::time::Timestamp;

@@ -12,8 +12,8 @@
 use std::time::Duration;
 
 use crate::{
-    Decision, Fingerprint, Mismatch, NewRecord, Record, RecordId, RecordState, Store, StoreError,
-    StoredResponse, Timestamp, decide,
+    AuditEntry, Decision, Fingerprint, Mismatch, NewRecord, Record, RecordId, RecordState, Store,
+    StoreError, StoredResponse, Timestamp, decide,
 };
 
 /// How often the claim re-reads a record that changed under it before it gives up and
@@ -52,6 +52,8 @@ pub struct Claim {
     pub now: Timestamp,
     /// How long the record is kept (and replayed) once claimed.
     pub retention: Duration,
+    /// External mode: the raw key, sealed, for a reconciler (`None` in local mode).
+    pub sealed_key: Option<Vec<u8>>,
 }
 
 /// The answer to a claim.
@@ -135,6 +137,7 @@ fn new_record(claim: &Claim, state: RecordState, lease: Option<Timestamp>) -> Ne
         lease_expires_at: lease,
         now: claim.now,
         expires_at: claim.now.plus(claim.retention),
+        sealed_key: claim.sealed_key.clone(),
     }
 }
 
@@ -306,16 +309,22 @@ pub enum Resolution {
     Released,
 }
 
-/// Operator: settles an indeterminate record. Raises the fencing token, so a stale owner
-/// cannot overwrite the operator's answer.
+/// Operator or reconciler: settles a record whose outcome is unknown (indeterminate, or
+/// past the point of no return with a lapsed lease). Raises the fencing token, so a stale
+/// owner cannot overwrite the answer, and appends an entry to the audit trail (`actor`,
+/// the action, the stored status and `note`) in the same transaction.
+///
+/// Returns the record as it was before it was settled.
 pub async fn resolve<S: Store>(
     store: &S,
     id: &RecordId,
     resolution: &Resolution,
+    actor: &str,
+    note: Option<&str>,
 ) -> Result<Record> {
-    let mut conn = store.acquire().await?;
+    let mut tx = store.begin().await?;
     let now = Timestamp::now();
-    let record = store.fetch(&mut conn, id).await?.ok_or(Error::NotFound)?;
+    let record = store.fetch(&mut tx, id).await?.ok_or(Error::NotFound)?;
     let unknown = matches!(
         decide(Some(&record), &record.fingerprint, now),
         Decision::OutcomeUnknown { .. }
@@ -323,15 +332,34 @@ pub async fn resolve<S: Store>(
     if !unknown {
         return Err(Error::NotIndeterminate(record.state));
     }
-    let ok = match resolution {
-        Resolution::Completed(response) => {
+    let (ok, action, mut detail) = match resolution {
+        Resolution::Completed(response) => (
             store
-                .complete(&mut conn, id, record.token, response, now)
-                .await?
-        }
-        Resolution::Released => store.release(&mut conn, id, record.token).await?,
+                .complete(&mut tx, id, record.token, response, now)
+                .await?,
+            "resolved-completed",
+            format!("status {}", response.status),
+        ),
+        Resolution::Released => (
+            store.release(&mut tx, id, record.token).await?,
+            "resolved-released",
+            "key released".to_owned(),
+        ),
     };
     fenced_unless(ok)?;
+    if let Some(note) = note.filter(|n| !n.is_empty()) {
+        detail.push_str("; ");
+        detail.push_str(note);
+    }
+    let entry = AuditEntry {
+        id: id.clone(),
+        at: now,
+        actor: actor.to_owned(),
+        action: action.to_owned(),
+        detail,
+    };
+    store.append_audit(&mut tx, &entry).await?;
+    store.commit(tx).await?;
     Ok(record)
 }
 

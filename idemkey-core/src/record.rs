@@ -125,6 +125,9 @@ pub struct Record {
     pub updated_at: Timestamp,
     /// After this the record is never replayed and the key is free again.
     pub expires_at: Timestamp,
+    /// External mode only: the raw key sealed with an AEAD keyed from the key secret, so a
+    /// reconciler can ask the other service about the operation. `None` in local mode.
+    pub sealed_key: Option<Vec<u8>>,
 }
 
 impl Record {
@@ -149,6 +152,25 @@ pub struct NewRecord {
     pub now: Timestamp,
     /// End of retention.
     pub expires_at: Timestamp,
+    /// External mode only: the sealed raw key (see [`Record::sealed_key`]).
+    pub sealed_key: Option<Vec<u8>>,
+}
+
+/// One entry of a record's audit trail: who settled an operation, when, and how.
+///
+/// Entries are kept by identity, not by row, so they outlive a released record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditEntry {
+    /// The record the entry is about.
+    pub id: RecordId,
+    /// When it happened.
+    pub at: Timestamp,
+    /// Who did it: `reconciler`, `operator:<user>`.
+    pub actor: String,
+    /// What was done, e.g. `resolved-completed`, `resolved-released`.
+    pub action: String,
+    /// Free text: the stored status, the operator's note.
+    pub detail: String,
 }
 
 #[cfg(test)]

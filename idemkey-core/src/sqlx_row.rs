@@ -4,7 +4,7 @@
 //! 64-bit integers), so one `FromRow` type reads a record from either.
 
 use crate::{
-    BoxError, Fingerprint, FingerprintParts, Record, RecordId, RecordState, StoreError,
+    AuditEntry, BoxError, Fingerprint, FingerprintParts, Record, RecordId, RecordState, StoreError,
     StoredResponse, Timestamp,
 };
 
@@ -25,6 +25,7 @@ pub struct RecordRow {
     created_at: i64,
     updated_at: i64,
     expires_at: i64,
+    sealed_key: Option<Vec<u8>>,
 }
 
 impl TryFrom<RecordRow> for Record {
@@ -67,6 +68,40 @@ impl TryFrom<RecordRow> for Record {
             created_at: Timestamp(row.created_at),
             updated_at: Timestamp(row.updated_at),
             expires_at: Timestamp(row.expires_at),
+            sealed_key: row.sealed_key,
+        })
+    }
+}
+
+/// One row of `idemkey_audit`, as both stores select it.
+#[derive(Debug, sqlx::FromRow)]
+pub struct AuditRow {
+    tenant: String,
+    key_hash: Vec<u8>,
+    route: String,
+    at: i64,
+    actor: String,
+    action: String,
+    detail: String,
+}
+
+impl TryFrom<AuditRow> for AuditEntry {
+    type Error = StoreError;
+
+    fn try_from(row: AuditRow) -> Result<Self, StoreError> {
+        Ok(AuditEntry {
+            id: RecordId {
+                tenant: row.tenant,
+                key_hash: row
+                    .key_hash
+                    .try_into()
+                    .map_err(|_| StoreError::Corrupt("bad key hash in idemkey_audit".into()))?,
+                route: row.route,
+            },
+            at: Timestamp(row.at),
+            actor: row.actor,
+            action: row.action,
+            detail: row.detail,
         })
     }
 }

@@ -11,7 +11,7 @@ use std::future::Future;
 use std::ops::DerefMut;
 use std::time::Duration;
 
-use crate::{NewRecord, Record, RecordId, RecordState, StoredResponse, Timestamp};
+use crate::{AuditEntry, NewRecord, Record, RecordId, RecordState, StoredResponse, Timestamp};
 
 /// A boxed error kept as the source of a [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -190,4 +190,18 @@ pub trait Store: Clone + Send + Sync + 'static {
         now: Timestamp,
         batch: u32,
     ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Appends an entry to the audit trail.
+    fn append_audit(
+        &self,
+        conn: &mut Self::Connection,
+        entry: &AuditEntry,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The audit trail of one record identity, oldest first.
+    fn audit(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+    ) -> impl Future<Output = Result<Vec<AuditEntry>, StoreError>> + Send;
 }

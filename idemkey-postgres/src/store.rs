@@ -2,8 +2,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idemkey_core::{
-    ListFilter, NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse,
-    Timestamp, classify_error,
+    AuditEntry, AuditRow, ListFilter, NewRecord, Record, RecordId, RecordRow, Store, StoreError,
+    StoredResponse, Timestamp, classify_error,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
@@ -114,8 +114,8 @@ impl Store for PgStore {
         let row: Option<i64> = sqlx::query_scalar(
             "INSERT INTO idemkey_records
                  (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
-                  lease_expires_at, created_at, updated_at, expires_at)
-             VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9)
+                  lease_expires_at, created_at, updated_at, expires_at, sealed_key)
+             VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10)
              ON CONFLICT (tenant, key_hash, route) DO NOTHING
              RETURNING token",
         )
@@ -128,6 +128,7 @@ impl Store for PgStore {
         .bind(r.lease_expires_at.map(Timestamp::as_millis))
         .bind(r.now.as_millis())
         .bind(r.expires_at.as_millis())
+        .bind(r.sealed_key.as_deref())
         .fetch_optional(conn)
         .await
         .map_err(error)?;
@@ -162,7 +163,8 @@ impl Store for PgStore {
             "UPDATE idemkey_records
                 SET fingerprint = $4, fingerprint_parts = $5, state = $6, token = token + 1,
                     lease_expires_at = $7, response_status = NULL, response_headers = NULL,
-                    response_body = NULL, created_at = $8, updated_at = $8, expires_at = $9
+                    response_body = NULL, created_at = $8, updated_at = $8, expires_at = $9,
+                    sealed_key = $11
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $10
              RETURNING token",
         )
@@ -176,6 +178,7 @@ impl Store for PgStore {
         .bind(r.now.as_millis())
         .bind(r.expires_at.as_millis())
         .bind(token)
+        .bind(r.sealed_key.as_deref())
         .fetch_optional(conn)
         .await
         .map_err(error)
@@ -379,5 +382,46 @@ impl Store for PgStore {
         .await
         .map_err(error)?;
         Ok(done.rows_affected())
+    }
+
+    async fn append_audit(
+        &self,
+        conn: &mut PgConnection,
+        entry: &AuditEntry,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO idemkey_audit (tenant, key_hash, route, at, actor, action, detail)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(&entry.id.tenant)
+        .bind(&entry.id.key_hash[..])
+        .bind(&entry.id.route)
+        .bind(entry.at.as_millis())
+        .bind(&entry.actor)
+        .bind(&entry.action)
+        .bind(&entry.detail)
+        .execute(conn)
+        .await
+        .map_err(error)?;
+        Ok(())
+    }
+
+    async fn audit(
+        &self,
+        conn: &mut PgConnection,
+        id: &RecordId,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
+        let rows = sqlx::query_as::<_, AuditRow>(
+            "SELECT tenant, key_hash, route, at, actor, action, detail FROM idemkey_audit
+              WHERE tenant = $1 AND key_hash = $2 AND route = $3
+              ORDER BY id",
+        )
+        .bind(&id.tenant)
+        .bind(&id.key_hash[..])
+        .bind(&id.route)
+        .fetch_all(conn)
+        .await
+        .map_err(error)?;
+        rows.into_iter().map(AuditEntry::try_from).collect()
     }
 }

@@ -69,6 +69,7 @@ fn claim_at(id: &RecordId, body: u8, now: Timestamp) -> Claim {
         fingerprint: fp(body),
         now,
         retention: RETENTION,
+        sealed_key: None,
     }
 }
 
@@ -529,6 +530,8 @@ pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harnes
         &store,
         &id,
         &Resolution::Completed(response("{\"settled\":1}")),
+        "operator:test",
+        None,
     )
     .await
     .expect("resolve");
@@ -545,7 +548,7 @@ pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harnes
         .await;
     assert!(matches!(late, Err(protocol::Error::Fenced)), "{late:?}");
     // Resolving a completed record is refused.
-    let again = protocol::resolve(&store, &id, &Resolution::Released).await;
+    let again = protocol::resolve(&store, &id, &Resolution::Released, "operator:test", None).await;
     assert!(
         matches!(again, Err(protocol::Error::NotIndeterminate(_))),
         "{again:?}"
@@ -574,7 +577,7 @@ pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
         .await
         .expect("reserve");
     assert_eq!(outcome, ClaimOutcome::OutcomeUnknown);
-    protocol::resolve(&store, &id, &Resolution::Released)
+    protocol::resolve(&store, &id, &Resolution::Released, "operator:test", None)
         .await
         .expect("resolve");
     let outcome = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
@@ -604,6 +607,71 @@ pub async fn released_reservation_frees_the_key<H: Harness>(h: H) {
         .await
         .expect("reserve");
     assert!(matches!(outcome, ClaimOutcome::Owned { .. }), "{outcome:?}");
+}
+
+/// External mode keeps the sealed key with the record (and a takeover replaces it); every
+/// resolution appends an audit entry that outlives a released record.
+pub async fn resolutions_are_audited_and_sealed_keys_kept<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let id = id("t1", "/v1/transfers", "k-audit");
+    let lease = Duration::from_secs(30);
+    let mut claim = claim_at(&id, 1, Timestamp::now().minus(HOUR));
+    claim.sealed_key = Some(b"sealed-1".to_vec());
+    let ClaimOutcome::Owned { token, .. } = protocol::reserve(&store, &claim, lease)
+        .await
+        .expect("reserve")
+    else {
+        panic!("must own the key")
+    };
+    let record = fetch(&h, &id).await.expect("record");
+    assert_eq!(record.sealed_key.as_deref(), Some(&b"sealed-1"[..]));
+    // The lease lapsed before the point of no return: a takeover writes its own sealed key.
+    claim.now = Timestamp::now();
+    claim.sealed_key = Some(b"sealed-2".to_vec());
+    let ClaimOutcome::Owned { token: fresh, .. } = protocol::reserve(&store, &claim, lease)
+        .await
+        .expect("reserve")
+    else {
+        panic!("the lapsed reservation is taken over")
+    };
+    assert!(fresh > token);
+    let record = fetch(&h, &id).await.expect("record");
+    assert_eq!(record.sealed_key.as_deref(), Some(&b"sealed-2"[..]));
+    let owner = Lease::new(store.clone(), id.clone(), fresh, lease);
+    owner
+        .point_of_no_return()
+        .await
+        .expect("point of no return");
+    owner.indeterminate().await.expect("indeterminate");
+    protocol::resolve(
+        &store,
+        &id,
+        &Resolution::Released,
+        "operator:alice",
+        Some("checked the ledger"),
+    )
+    .await
+    .expect("resolve");
+    assert!(fetch(&h, &id).await.is_none(), "released");
+    let mut conn = store.acquire().await.expect("acquire");
+    let trail = store.audit(&mut conn, &id).await.expect("audit");
+    assert_eq!(trail.len(), 1, "{trail:?}");
+    assert_eq!(trail[0].id, id);
+    assert_eq!(trail[0].actor, "operator:alice");
+    assert_eq!(trail[0].action, "resolved-released");
+    assert_eq!(trail[0].detail, "key released; checked the ledger");
+    // A refused resolution writes nothing.
+    let refused = protocol::resolve(&store, &id, &Resolution::Released, "x", None).await;
+    assert!(
+        matches!(refused, Err(protocol::Error::NotFound)),
+        "{refused:?}"
+    );
+    assert_eq!(store.audit(&mut conn, &id).await.expect("audit").len(), 1);
+    let other = store
+        .audit(&mut conn, &self::id("t2", "/v1/transfers", "k-audit"))
+        .await
+        .expect("audit");
+    assert!(other.is_empty());
 }
 
 /// Operators list by tenant, state and age, and evict a record.
@@ -688,6 +756,7 @@ macro_rules! conformance_tests {
             lapsed_lease_after_point_of_no_return_turns_indeterminate,
             released_indeterminate_record_executes_again,
             released_reservation_frees_the_key,
+            resolutions_are_audited_and_sealed_keys_kept,
             operator_queries_list_and_evict
         );
     };

@@ -38,6 +38,24 @@ const OUTCOMES: [(Outcome, &str); 8] = [
     (Outcome::Rejected, "rejected"),
 ];
 
+/// What a reconciler made of one operation whose outcome was unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Reconciled {
+    /// The other service knew the operation: its answer is stored and replayed.
+    Completed,
+    /// The other service did not know it: the key is free, the next retry executes.
+    Released,
+    /// No usable answer: still unknown, asked again later.
+    StillUnknown,
+}
+
+const RECONCILED: [(Reconciled, &str); 3] = [
+    (Reconciled::Completed, "settled_completed"),
+    (Reconciled::Released, "settled_released"),
+    (Reconciled::StillUnknown, "still_unknown"),
+];
+
 /// Upper bounds of the latency buckets, in seconds.
 const BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -56,6 +74,8 @@ struct Inner {
     outcomes: [AtomicU64; OUTCOMES.len()],
     latency: [Histogram; OUTCOMES.len()],
     purged: AtomicU64,
+    marked_indeterminate: AtomicU64,
+    reconciled: [AtomicU64; RECONCILED.len()],
 }
 
 /// The layer's metrics. Cheap to clone; share one between the layers of an application and
@@ -103,6 +123,30 @@ impl Metrics {
     /// Counts records deleted by the purge.
     pub fn purged(&self, n: u64) {
         self.inner.purged.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Counts an operation this process marked indeterminate (sent, no complete answer).
+    pub fn marked_indeterminate(&self) {
+        self.inner
+            .marked_indeterminate
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one reconciliation attempt by its result.
+    pub fn reconciled(&self, result: Reconciled) {
+        let i = RECONCILED
+            .iter()
+            .position(|(r, _)| *r == result)
+            .unwrap_or(RECONCILED.len() - 1);
+        self.inner.reconciled[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many reconciliation attempts ended in `result`.
+    pub fn reconciled_count(&self, result: Reconciled) -> u64 {
+        RECONCILED
+            .iter()
+            .position(|(r, _)| *r == result)
+            .map_or(0, |i| self.inner.reconciled[i].load(Ordering::Relaxed))
     }
 
     /// How many requests ended in `outcome`.
@@ -163,6 +207,25 @@ impl Metrics {
              idemkey_purged_total {}",
             inner.purged.load(Ordering::Relaxed)
         );
+        let _ = writeln!(
+            out,
+            "# HELP idemkey_marked_indeterminate_total Operations sent upstream whose outcome became unknown (time-out, reset, closed connection).\n\
+             # TYPE idemkey_marked_indeterminate_total counter\n\
+             idemkey_marked_indeterminate_total {}",
+            inner.marked_indeterminate.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP idemkey_reconciled_total Reconciliation attempts of operations whose outcome was unknown, by result.\n\
+             # TYPE idemkey_reconciled_total counter"
+        );
+        for (i, (_, name)) in RECONCILED.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "idemkey_reconciled_total{{result=\"{name}\"}} {}",
+                inner.reconciled[i].load(Ordering::Relaxed)
+            );
+        }
         out
     }
 }
@@ -189,5 +252,15 @@ mod tests {
             "idemkey_request_duration_seconds_bucket{outcome=\"executed\",le=\"0.005\"} 1\n"
         ));
         assert_eq!(m.count(Outcome::Replayed), 1);
+        m.marked_indeterminate();
+        m.reconciled(Reconciled::Released);
+        let text = m.render();
+        assert!(
+            text.contains("idemkey_marked_indeterminate_total 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("idemkey_reconciled_total{result=\"settled_released\"} 1\n"));
+        assert!(text.contains("idemkey_reconciled_total{result=\"still_unknown\"} 0\n"));
+        assert_eq!(m.reconciled_count(Reconciled::Released), 1);
     }
 }

@@ -82,6 +82,27 @@ pub enum IdempotencyRejection {
     /// No such key for this caller (status resource).
     #[error("no idempotency record for this key")]
     KeyNotFound,
+    /// Gateway: the upstream could not be reached (connection refused or timed out); nothing
+    /// was sent and the key is free again.
+    #[error("the upstream service could not be reached; the request was not sent")]
+    UpstreamUnavailable {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// Gateway: the request was sent upstream, and no complete answer came back (time-out,
+    /// reset, closed connection). The operation may or may not have happened; it is not
+    /// re-executed until it is settled.
+    #[error(
+        "the request was sent to the upstream service and no answer came back; its outcome is unknown and it will not be retried automatically"
+    )]
+    UpstreamOutcomeUnknown {
+        /// The status resource of the key.
+        status_url: String,
+    },
+    /// Gateway, request without a key: the upstream gave no complete answer. Nothing is
+    /// known about the outcome and nothing protects a retry.
+    #[error("the upstream service gave no complete answer")]
+    UpstreamFailed,
 }
 
 impl IdempotencyRejection {
@@ -101,6 +122,9 @@ impl IdempotencyRejection {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
             Self::KeyNotFound => StatusCode::NOT_FOUND,
+            Self::UpstreamUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::UpstreamOutcomeUnknown { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Self::UpstreamFailed => StatusCode::BAD_GATEWAY,
         }
     }
 
@@ -120,6 +144,9 @@ impl IdempotencyRejection {
             Self::Internal => "internal-error",
             Self::TransactionUnavailable => "transaction-unavailable",
             Self::KeyNotFound => "key-not-found",
+            Self::UpstreamUnavailable { .. } => "upstream-unavailable",
+            Self::UpstreamOutcomeUnknown { .. } => "upstream-outcome-unknown",
+            Self::UpstreamFailed => "upstream-failed",
         }
     }
 
@@ -138,6 +165,9 @@ impl IdempotencyRejection {
             Self::Internal => "Internal error",
             Self::TransactionUnavailable => "Transaction unavailable",
             Self::KeyNotFound => "Idempotency-Key not found",
+            Self::UpstreamUnavailable { .. } => "Upstream unavailable",
+            Self::UpstreamOutcomeUnknown { .. } => "Upstream outcome unknown",
+            Self::UpstreamFailed => "Upstream failed",
         }
     }
 }
@@ -157,10 +187,11 @@ impl IntoResponse for IdempotencyRejection {
             Self::KeyReused(m) => body["differs"] = serde_json::json!(m.parts()),
             Self::InFlight { retry_after: r }
             | Self::StoreUnavailable { retry_after: r }
-            | Self::StoreBusy { retry_after: r } => {
+            | Self::StoreBusy { retry_after: r }
+            | Self::UpstreamUnavailable { retry_after: r } => {
                 retry_after = Some(r.as_secs().max(1));
             }
-            Self::OutcomeUnknown { status_url } => {
+            Self::OutcomeUnknown { status_url } | Self::UpstreamOutcomeUnknown { status_url } => {
                 body["status_url"] = serde_json::json!(status_url);
                 link = Some(format!("<{status_url}>; rel=\"status\""));
             }

@@ -174,7 +174,7 @@ where
 /// The answer when the store fails outside the claim: 503 with `Retry-After`, `store-busy`
 /// when a lock was not granted in time (on SQLite that lock is the whole database's, held by
 /// any request, so it says nothing about this key), `store-unavailable` otherwise.
-fn store_unavailable(error: &StoreError) -> Response {
+pub fn store_unavailable(error: &StoreError) -> Response {
     tracing::warn!(error = %error, source = ?std::error::Error::source(error), "idempotency store failed");
     match error {
         StoreError::Busy(_) => IdempotencyRejection::StoreBusy {
@@ -271,6 +271,7 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
             fingerprint,
             now: Timestamp::now(),
             retention: self.config.retention,
+            sealed_key: None,
         };
 
         let mut tx = match store.begin().await {
@@ -356,34 +357,45 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
     }
 
     fn answer_existing(&self, outcome: ClaimOutcome) -> Response {
-        match outcome {
-            ClaimOutcome::Replay {
-                response,
-                expires_at,
-            } => self.finish(Outcome::Replayed, replay(response, expires_at)),
-            ClaimOutcome::Mismatch(m) => {
-                self.finish(Outcome::Mismatched, IdempotencyRejection::KeyReused(m))
-            }
-            ClaimOutcome::InFlight { lease_expires_at } => {
-                let retry_after = lease_expires_at
-                    .map(|t| Timestamp::now().until(t))
-                    .filter(|d| !d.is_zero())
-                    .unwrap_or(RETRY_AFTER);
-                self.finish(
-                    Outcome::InFlight,
-                    IdempotencyRejection::InFlight { retry_after },
-                )
-            }
-            ClaimOutcome::OutcomeUnknown => self.finish(
-                Outcome::Indeterminate,
-                IdempotencyRejection::OutcomeUnknown {
-                    status_url: status_url(&self.key),
-                },
-            ),
-            ClaimOutcome::Owned { .. } => {
-                self.finish(Outcome::StoreError, IdempotencyRejection::Internal)
-            }
+        let (outcome, response) = answer_claim(outcome, &self.key);
+        self.finish(outcome, response)
+    }
+}
+
+/// The answer to a claim this attempt did not win: a replay, 422 `key-reused`, 409
+/// `request-in-flight` (with `Retry-After` from the owner's lease) or 409 `outcome-unknown`,
+/// with the metrics outcome it counts as. Shared by the layer and the gateway.
+pub fn answer_claim(outcome: ClaimOutcome, key: &IdempotencyKey) -> (Outcome, Response) {
+    match outcome {
+        ClaimOutcome::Replay {
+            response,
+            expires_at,
+        } => (Outcome::Replayed, replay(response, expires_at)),
+        ClaimOutcome::Mismatch(m) => (
+            Outcome::Mismatched,
+            IdempotencyRejection::KeyReused(m).into_response(),
+        ),
+        ClaimOutcome::InFlight { lease_expires_at } => {
+            let retry_after = lease_expires_at
+                .map(|t| Timestamp::now().until(t))
+                .filter(|d| !d.is_zero())
+                .unwrap_or(RETRY_AFTER);
+            (
+                Outcome::InFlight,
+                IdempotencyRejection::InFlight { retry_after }.into_response(),
+            )
         }
+        ClaimOutcome::OutcomeUnknown => (
+            Outcome::Indeterminate,
+            IdempotencyRejection::OutcomeUnknown {
+                status_url: status_url(key),
+            }
+            .into_response(),
+        ),
+        ClaimOutcome::Owned { .. } => (
+            Outcome::StoreError,
+            IdempotencyRejection::Internal.into_response(),
+        ),
     }
 }
 
@@ -398,7 +410,10 @@ fn storing_failed(e: protocol::Error) -> Response {
 /// still sending, gets the answer instead of a reset connection.
 const DRAIN_LIMIT: usize = 4 * 1024 * 1024;
 
-async fn read_body(
+/// Reads a request body of at most `limit` bytes: 413 `request-too-large` past it (an
+/// over-limit body is drained up to 4 MiB beyond the limit first, so a client still sending
+/// gets the answer), 400 `request-unreadable` when it cannot be read.
+pub async fn read_body(
     headers: &HeaderMap,
     mut body: Body,
     limit: usize,
@@ -435,7 +450,7 @@ async fn read_body(
 
 /// The headers that are stored and replayed: `Content-Type`, `Location`, `ETag` and the
 /// route's own.
-fn stored_headers(headers: &HeaderMap, extra: &[HeaderName]) -> Vec<(String, Vec<u8>)> {
+pub fn stored_headers(headers: &HeaderMap, extra: &[HeaderName]) -> Vec<(String, Vec<u8>)> {
     let base = [header::CONTENT_TYPE, header::LOCATION, header::ETAG];
     base.iter()
         .chain(extra)
@@ -448,7 +463,9 @@ fn stored_headers(headers: &HeaderMap, extra: &[HeaderName]) -> Vec<(String, Vec
         .collect()
 }
 
-fn replay(stored: StoredResponse, expires_at: Timestamp) -> Response {
+/// A replay of `stored`: its status, headers and body byte for byte, with
+/// `Idempotent-Replayed: true` and `Idempotency-Key-Expires`.
+pub fn replay(stored: StoredResponse, expires_at: Timestamp) -> Response {
     let mut response = Response::new(Body::from(stored.body));
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
     let headers = response.headers_mut();
@@ -465,7 +482,8 @@ fn replay(stored: StoredResponse, expires_at: Timestamp) -> Response {
     response
 }
 
-fn add_expiry(headers: &mut HeaderMap, expires_at: Timestamp) {
+/// Adds `Idempotency-Key-Expires: <HTTP date>` to a keyed response.
+pub fn add_expiry(headers: &mut HeaderMap, expires_at: Timestamp) {
     let at = UNIX_EPOCH + Duration::from_millis(expires_at.as_millis().max(0) as u64);
     let at = at.max(SystemTime::UNIX_EPOCH);
     if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(at)) {
@@ -473,8 +491,8 @@ fn add_expiry(headers: &mut HeaderMap, expires_at: Timestamp) {
     }
 }
 
-/// The status resource URL of `key`.
-pub(crate) fn status_url(key: &IdempotencyKey) -> String {
+/// The status resource URL of `key` (percent-encoded).
+pub fn status_url(key: &IdempotencyKey) -> String {
     let mut url = format!("{STATUS_PATH}/");
     for b in key.as_str().bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
