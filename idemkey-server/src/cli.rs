@@ -21,6 +21,8 @@ pub struct Cli {
 pub enum Command {
     /// Serve the reference payments API.
     Serve(ServeArgs),
+    /// Put the idempotency contract in front of any HTTP service (a reverse proxy).
+    Gateway(GatewayArgs),
     /// Run the database migrations (idemkey's and the payments API's) and exit.
     Migrate(DbArgs),
     /// Inspect and manage idempotency records.
@@ -158,14 +160,120 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// Every configured API key, from the flags and the environment.
     pub fn all_api_keys(&self) -> Result<ApiKeys, String> {
-        let mut pairs = self.api_keys.clone();
-        if let Some(env) = &self.api_keys_env {
-            for item in env.split(',').filter(|s| !s.trim().is_empty()) {
-                pairs
-                    .push(ApiKeys::parse_pair(item).map_err(|e| format!("IDEMKEY_API_KEYS: {e}"))?);
-            }
+        all_api_keys(&self.api_keys, self.api_keys_env.as_deref())
+    }
+}
+
+fn all_api_keys(flags: &[(String, String)], env: Option<&str>) -> Result<ApiKeys, String> {
+    let mut pairs = flags.to_vec();
+    if let Some(env) = env {
+        for item in env.split(',').filter(|s| !s.trim().is_empty()) {
+            pairs.push(ApiKeys::parse_pair(item).map_err(|e| format!("IDEMKEY_API_KEYS: {e}"))?);
         }
-        Ok(ApiKeys::new(pairs))
+    }
+    Ok(ApiKeys::new(pairs))
+}
+
+/// Parses a size: bytes, or with a suffix `KiB`, `MiB` (also `k`, `M`, `KB`, `MB`: binary).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, unit) = s.split_at(split);
+    let n: usize = digits
+        .parse()
+        .map_err(|_| format!("invalid size {s:?}: expected e.g. 1048576, 64KiB, 1MiB"))?;
+    let factor = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1024,
+        "m" | "mb" | "mib" => 1024 * 1024,
+        other => return Err(format!("invalid size unit {other:?}: use KiB or MiB")),
+    };
+    n.checked_mul(factor)
+        .ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// `idemkey gateway`.
+#[derive(Debug, Clone, Args)]
+pub struct GatewayArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8081")]
+    pub listen: SocketAddr,
+    /// The service requests are forwarded to, e.g. http://127.0.0.1:9000 (http only).
+    #[arg(long)]
+    pub upstream: String,
+    /// `sqlite:<path>` (created if missing) or `postgres://…`.
+    #[arg(
+        long,
+        env = "IDEMKEY_DATABASE_URL",
+        default_value = "sqlite:idemkey-gateway.db"
+    )]
+    pub database_url: String,
+    /// Connections in the pool (PostgreSQL).
+    #[arg(long, default_value_t = 32)]
+    pub max_connections: u32,
+    /// A route that requires an Idempotency-Key: "METHOD PATH", PATH may end in `*` (a
+    /// prefix), METHOD may be `*` (repeatable; default when no route is given: "POST *").
+    #[arg(long = "route", value_name = "METHOD PATH")]
+    pub routes: Vec<String>,
+    /// A route where the key is optional (requests without one are forwarded unprotected).
+    #[arg(long = "optional-route", value_name = "METHOD PATH")]
+    pub optional_routes: Vec<String>,
+    /// What a retry gets while the first attempt is running.
+    #[arg(long, value_enum, default_value_t = InFlight::Wait)]
+    pub in_flight: InFlight,
+    /// How long a retry waits (polling the record) under --in-flight wait.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub wait_timeout: Duration,
+    /// How long a reservation is held without renewal (renewed every third of it).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub lease: Duration,
+    /// Bound of the TCP connect to the upstream.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub connect_timeout: Duration,
+    /// Bound of the upstream's complete answer.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub upstream_timeout: Duration,
+    /// Largest keyed request body (413 past it).
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    pub max_request_body: usize,
+    /// Largest upstream answer that is stored (a larger one leaves the outcome unknown).
+    #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+    pub max_stored_response: usize,
+    /// Store upstream 5xx answers (default: a 5xx releases the key and is passed through).
+    #[arg(long)]
+    pub store_5xx: bool,
+    /// How long outcomes are kept and replayed (e.g. 24h, 90m).
+    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    pub retention: Duration,
+    /// An API key, as TENANT=TOKEN (repeatable). Without any, the tenant is a keyed hash of
+    /// the Authorization header.
+    #[arg(long = "api-key", value_parser = ApiKeys::parse_pair)]
+    pub api_keys: Vec<(String, String)>,
+    /// API keys as "t1=tok1,t2=tok2" (added to --api-key).
+    #[arg(long, env = "IDEMKEY_API_KEYS", hide_env_values = true)]
+    pub api_keys_env: Option<String>,
+    /// The secret keys are hashed and sealed with. Default: kept in the database.
+    #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
+    pub key_secret: Option<String>,
+    /// Where the reconciler asks about an operation whose outcome is unknown; `{key}` is
+    /// replaced by the key, e.g. http://127.0.0.1:9000/v1/transfers?idempotency_key={key}.
+    #[arg(long, value_name = "TEMPLATE")]
+    pub reconcile_url: Option<String>,
+    /// How often the reconciler runs.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub reconcile_interval: Duration,
+    /// How often expired records are purged.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub purge_interval: Duration,
+    /// Tests and demos: milliseconds to wait after the reservation, before connecting.
+    #[arg(long, value_name = "MS", default_value_t = 0, hide = true)]
+    pub simulate_delay_before_forward: u64,
+}
+
+impl GatewayArgs {
+    /// Every configured API key, from the flags and the environment.
+    pub fn all_api_keys(&self) -> Result<ApiKeys, String> {
+        all_api_keys(&self.api_keys, self.api_keys_env.as_deref())
     }
 }
 
@@ -206,7 +314,7 @@ pub enum KeysCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Show a tenant's records for one key.
+    /// Show a tenant's records for one key, with their audit trails.
     Show {
         /// The database.
         #[command(flatten)]
@@ -217,6 +325,9 @@ pub enum KeysCommand {
         /// The tenant.
         #[arg(long)]
         tenant: String,
+        /// Also show this route's audit trail when its record is gone (e.g. released).
+        #[arg(long)]
+        route: Option<String>,
         /// The Idempotency-Key, as the client sent it.
         key: String,
     },
@@ -234,6 +345,45 @@ pub enum KeysCommand {
         /// Method and route template, e.g. "POST /v1/payments".
         #[arg(long)]
         route: String,
+        /// The Idempotency-Key, as the client sent it.
+        key: String,
+    },
+    /// Settle an operation whose outcome is unknown (indeterminate), and audit it.
+    Resolve {
+        /// The database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The key-hashing secret, if the server was given one.
+        #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
+        key_secret: Option<String>,
+        /// The tenant.
+        #[arg(long)]
+        tenant: String,
+        /// Method and route, e.g. "POST /v1/transfers" (the gateway's: "POST *").
+        #[arg(long)]
+        route: String,
+        /// The effect happened: store --status/--body; retries replay them.
+        #[arg(
+            long,
+            conflicts_with = "released",
+            required_unless_present = "released"
+        )]
+        completed: bool,
+        /// The effect did not happen: free the key; the next retry executes.
+        #[arg(long)]
+        released: bool,
+        /// The stored status (with --completed).
+        #[arg(long, requires = "completed")]
+        status: Option<u16>,
+        /// The stored body (with --completed).
+        #[arg(long, requires = "completed", default_value = "")]
+        body: String,
+        /// The stored Content-Type (with --completed and a body).
+        #[arg(long, default_value = "application/json")]
+        content_type: String,
+        /// Why: kept in the audit trail.
+        #[arg(long)]
+        note: Option<String>,
         /// The Idempotency-Key, as the client sent it.
         key: String,
     },

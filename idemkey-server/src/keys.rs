@@ -3,7 +3,11 @@
 use std::io::Write;
 
 use anyhow::Context;
-use idemkey_core::{IdempotencyKey, ListFilter, Record, RecordState, Scope, Timestamp, protocol};
+use idemkey_core::protocol::Resolution;
+use idemkey_core::{
+    AuditEntry, IdempotencyKey, ListFilter, Record, RecordState, Scope, StoredResponse, Timestamp,
+    protocol,
+};
 
 use crate::AppDb;
 use crate::cli::{KeysCommand, StateArg};
@@ -41,6 +45,23 @@ fn json(r: &Record, now: Timestamp) -> serde_json::Value {
         "lease_expires_at": r.lease_expires_at.map(time),
         "response_status": r.response.as_ref().map(|resp| resp.status),
         "response_bytes": r.response.as_ref().map(|resp| resp.body.len()),
+    })
+}
+
+/// `post /v1/x` → `POST /v1/x`, as [`Scope::new`] writes routes.
+fn normalize(route: &str) -> String {
+    match route.split_once(' ') {
+        Some((method, template)) => Scope::new("", method, template).route,
+        None => route.to_owned(),
+    }
+}
+
+fn audit_json(e: &AuditEntry) -> serde_json::Value {
+    serde_json::json!({
+        "at": time(e.at),
+        "actor": e.actor,
+        "action": e.action,
+        "detail": e.detail,
     })
 }
 
@@ -114,18 +135,45 @@ pub async fn run<S: AppDb>(
         KeysCommand::Show {
             key_secret,
             tenant,
+            route,
             key: raw,
             ..
         } => {
             let hasher = key_hasher(&db, key_secret.as_deref()).await?;
-            let key_hash = hasher.key_hash(&tenant, &key(&raw)?);
+            let key = key(&raw)?;
+            let key_hash = hasher.key_hash(&tenant, &key);
             let mut conn = db.acquire().await?;
             let records = db.find_by_key(&mut conn, &tenant, &key_hash).await?;
-            if records.is_empty() {
+            // The audit trail of a route outlives its record (a released key).
+            let gone = match &route {
+                Some(route) if !records.iter().any(|r| r.id.route == normalize(route)) => {
+                    let (method, template) = route
+                        .split_once(' ')
+                        .context("--route must be METHOD and route, e.g. \"POST /v1/transfers\"")?;
+                    let id = hasher.record_id(&Scope::new(&tenant, method, template), &key);
+                    let trail = db.audit(&mut conn, &id).await?;
+                    (!trail.is_empty()).then_some((id, trail))
+                }
+                _ => None,
+            };
+            if records.is_empty() && gone.is_none() {
                 anyhow::bail!("no record for this key in tenant {tenant:?}");
             }
             for r in &records {
-                writeln!(out, "{}", serde_json::to_string_pretty(&json(r, now))?)?;
+                let mut view = json(r, now);
+                let trail = db.audit(&mut conn, &r.id).await?;
+                view["audit"] = trail.iter().map(audit_json).collect();
+                writeln!(out, "{}", serde_json::to_string_pretty(&view)?)?;
+            }
+            if let Some((id, trail)) = gone {
+                let view = serde_json::json!({
+                    "key_id": id.key_id(),
+                    "tenant": id.tenant,
+                    "route": id.route,
+                    "state": "none (no record: released, evicted or purged)",
+                    "audit": trail.iter().map(audit_json).collect::<Vec<_>>(),
+                });
+                writeln!(out, "{}", serde_json::to_string_pretty(&view)?)?;
             }
         }
         KeysCommand::Evict {
@@ -145,6 +193,82 @@ pub async fn run<S: AppDb>(
                 writeln!(out, "evicted {} ({})", id.key_id(), id.route)?;
             } else {
                 anyhow::bail!("no record for this key on {}", id.route);
+            }
+        }
+        KeysCommand::Resolve {
+            key_secret,
+            tenant,
+            route,
+            completed,
+            status,
+            body,
+            content_type,
+            note,
+            key: raw,
+            ..
+        } => {
+            let hasher = key_hasher(&db, key_secret.as_deref()).await?;
+            let (method, template) = route
+                .split_once(' ')
+                .context("--route must be METHOD and route, e.g. \"POST /v1/transfers\"")?;
+            let id = hasher.record_id(&Scope::new(tenant, method, template), &key(&raw)?);
+            let resolution = if completed {
+                let status = status.context("--completed needs --status")?;
+                if !(100..=599).contains(&status) {
+                    anyhow::bail!("--status {status} is not an HTTP status");
+                }
+                let headers = if body.is_empty() {
+                    Vec::new()
+                } else {
+                    vec![("content-type".to_owned(), content_type.into_bytes())]
+                };
+                Resolution::Completed(StoredResponse {
+                    status,
+                    headers,
+                    body: body.into_bytes(),
+                })
+            } else {
+                Resolution::Released
+            };
+            let actor = format!(
+                "operator:{}",
+                std::env::var("USER")
+                    .ok()
+                    .filter(|u| !u.is_empty())
+                    .unwrap_or_else(|| "unknown".to_owned())
+            );
+            match protocol::resolve(&db, &id, &resolution, &actor, note.as_deref()).await {
+                Ok(before) => match resolution {
+                    Resolution::Completed(r) => writeln!(
+                        out,
+                        "resolved {} ({}): was {}, now completed with status {}; retries replay it",
+                        id.key_id(),
+                        id.route,
+                        before.state,
+                        r.status
+                    )?,
+                    Resolution::Released => writeln!(
+                        out,
+                        "resolved {} ({}): was {}, now released; the next retry executes",
+                        id.key_id(),
+                        id.route,
+                        before.state
+                    )?,
+                },
+                Err(protocol::Error::NotFound) => {
+                    anyhow::bail!(
+                        "no record for this key on {} in tenant {:?}",
+                        id.route,
+                        id.tenant
+                    )
+                }
+                Err(e @ protocol::Error::NotIndeterminate(_)) => {
+                    anyhow::bail!("cannot resolve {} ({}): {e}", id.key_id(), id.route)
+                }
+                Err(protocol::Error::Fenced) => anyhow::bail!(
+                    "the record changed while it was being resolved (its owner or the reconciler settled it); look again with `idemkey keys show`"
+                ),
+                Err(e) => return Err(e.into()),
             }
         }
         KeysCommand::Purge { batch, .. } => {

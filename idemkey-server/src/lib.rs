@@ -17,6 +17,7 @@ pub mod bench;
 pub mod cli;
 mod db;
 pub mod demo;
+pub mod gateway;
 pub mod keys;
 mod payments;
 mod problem;

@@ -1,9 +1,10 @@
 //! `idemkey`: parses the command line, wires the parts, reports errors.
 
 use clap::Parser;
-use idemkey_server::cli::{Cli, Command, InFlight, KeysCommand};
+use idemkey_server::cli::{Cli, Command, GatewayArgs, InFlight, KeysCommand};
+use idemkey_server::gateway::{GatewayOptions, RouteRule, Upstream};
 use idemkey_server::{ServeOptions, connect, keys, serve, with_store};
-use idemkey_tower::InFlightPolicy;
+use idemkey_tower::{InFlightPolicy, KeyRequirement};
 use tracing_subscriber::EnvFilter;
 
 const DEFAULT_WAIT: std::time::Duration = InFlightPolicy::DEFAULT_WAIT;
@@ -46,6 +47,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let db = connect(&args.db.database_url, args.db.max_connections, lock_wait).await?;
             with_store!(db, store => serve(store, options).await)
+        }
+        Command::Gateway(args) => {
+            let options = gateway_options(&args)?;
+            let db = connect(
+                &args.database_url,
+                args.max_connections,
+                idemkey_sqlite::SqliteStore::DEFAULT_BUSY_TIMEOUT,
+            )
+            .await?;
+            with_store!(db, store => idemkey_server::gateway::gateway(store, options).await)
         }
         Command::Migrate(db_args) => {
             let db = connect(&db_args.database_url, db_args.max_connections, DEFAULT_WAIT).await?;
@@ -110,6 +121,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 KeysCommand::List { db, .. }
                 | KeysCommand::Show { db, .. }
                 | KeysCommand::Evict { db, .. }
+                | KeysCommand::Resolve { db, .. }
                 | KeysCommand::Purge { db, .. } => db.clone(),
             };
             let db = connect(&db_args.database_url, db_args.max_connections, DEFAULT_WAIT).await?;
@@ -117,4 +129,53 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             with_store!(db, store => keys::run(store, command, &mut out).await)
         }
     }
+}
+
+fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
+    let mut routes = Vec::new();
+    let required: Vec<&str> = if args.routes.is_empty() && args.optional_routes.is_empty() {
+        vec!["POST *"]
+    } else {
+        args.routes.iter().map(String::as_str).collect()
+    };
+    for spec in required {
+        routes.push(RouteRule::parse(spec, KeyRequirement::Required).map_err(anyhow::Error::msg)?);
+    }
+    for spec in &args.optional_routes {
+        routes.push(RouteRule::parse(spec, KeyRequirement::Optional).map_err(anyhow::Error::msg)?);
+    }
+    if let Some(template) = &args.reconcile_url
+        && !template.contains("{key}")
+    {
+        anyhow::bail!(
+            "--reconcile-url must contain {{key}}, e.g. http://svc/v1/transfers?idempotency_key={{key}}"
+        );
+    }
+    if args.lease < std::time::Duration::from_millis(300) {
+        anyhow::bail!("--lease must be at least 300ms (it is renewed every third of it)");
+    }
+    Ok(GatewayOptions {
+        listen: args.listen,
+        upstream: Upstream::parse(&args.upstream).map_err(anyhow::Error::msg)?,
+        routes,
+        in_flight: match args.in_flight {
+            InFlight::Wait => InFlightPolicy::Wait(args.wait_timeout),
+            InFlight::Reject => InFlightPolicy::Reject,
+        },
+        lease: args.lease,
+        connect_timeout: args.connect_timeout,
+        upstream_timeout: args.upstream_timeout,
+        max_request_body: args.max_request_body,
+        max_stored_response: args.max_stored_response,
+        store_5xx: args.store_5xx,
+        retention: args.retention,
+        api_keys: args.all_api_keys().map_err(anyhow::Error::msg)?,
+        key_secret: args.key_secret.clone(),
+        reconcile_url: args.reconcile_url.clone(),
+        reconcile_interval: args.reconcile_interval,
+        simulate_delay_before_forward: std::time::Duration::from_millis(
+            args.simulate_delay_before_forward,
+        ),
+        purge_interval: args.purge_interval,
+    })
 }

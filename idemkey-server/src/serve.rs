@@ -82,16 +82,23 @@ pub(crate) async fn key_hasher<S: AppDb>(
     db: &S,
     configured: Option<&str>,
 ) -> anyhow::Result<KeyHasher> {
+    Ok(KeyHasher::new(&key_secret(db, configured).await?))
+}
+
+/// The raw key secret behind [`key_hasher`]: the configured one, or the one kept in the
+/// database.
+pub(crate) async fn key_secret<S: AppDb>(
+    db: &S,
+    configured: Option<&str>,
+) -> anyhow::Result<Vec<u8>> {
     if let Some(secret) = configured {
-        return Ok(KeyHasher::new(secret.as_bytes()));
+        return Ok(secret.as_bytes().to_vec());
     }
     let mut fresh = [0u8; 32];
     rand::thread_rng().fill_bytes(&mut fresh);
-    let secret = db
-        .setting_or_init("key_hash_secret", &fresh)
+    db.setting_or_init("key_hash_secret", &fresh)
         .await
-        .context("cannot read the key-hashing secret")?;
-    Ok(KeyHasher::new(&secret))
+        .context("cannot read the key-hashing secret")
 }
 
 fn demo_keys() -> ApiKeys {
@@ -144,7 +151,7 @@ pub async fn serve<S: AppDb>(db: S, options: ServeOptions) -> anyhow::Result<()>
     Ok(())
 }
 
-async fn purge_loop<S: AppDb>(db: S, metrics: Metrics, every: Duration) {
+pub(crate) async fn purge_loop<S: AppDb>(db: S, metrics: Metrics, every: Duration) {
     let mut tick = tokio::time::interval(every.max(Duration::from_secs(1)));
     loop {
         tick.tick().await;
@@ -160,7 +167,7 @@ async fn purge_loop<S: AppDb>(db: S, metrics: Metrics, every: Duration) {
     }
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

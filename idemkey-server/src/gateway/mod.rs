@@ -1,0 +1,349 @@
+//! `idemkey gateway`: a reverse proxy that puts the idempotency contract in front of any
+//! HTTP service, for effects that cannot share a transaction with the record.
+//!
+//! A keyed request is reserved with a lease ([`protocol::reserve`]); the lease is renewed
+//! while the upstream works; the point of no return is marked once a connection to the
+//! upstream is open, just before the request is written; the upstream's answer is stored
+//! with the owner's fencing token. A refused connection releases the key (nothing was sent);
+//! a time-out or reset after sending leaves the operation indeterminate, settled later by
+//! the [reconciler](reconciler) or an operator (`idemkey keys resolve`).
+//!
+//! [`protocol::reserve`]: idemkey_core::protocol::reserve
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::middleware::{Next, from_fn_with_state};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use http::{Method, header};
+use idemkey_core::KeyHasher;
+use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics, Tenant, status_router};
+
+use crate::problem::ApiError;
+use crate::serve::{key_secret, purge_loop, shutdown_signal};
+use crate::{ApiKeys, AppDb};
+
+mod proxy;
+mod reconciler;
+mod seal;
+
+pub(crate) use self::seal::KeySealer;
+
+/// The upstream service: `http://host:port[/base]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    /// `host:port`, for connecting and as the forwarded `Host`.
+    pub authority: String,
+    /// A path prefix put before every forwarded path ("" for none).
+    pub base_path: String,
+}
+
+impl Upstream {
+    /// Parses an `http://` URL.
+    pub fn parse(url: &str) -> Result<Self, String> {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e| format!("invalid upstream URL {url:?}: {e}"))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(format!(
+                "upstream URL {url:?}: only http:// is supported (put TLS in front of the gateway)"
+            ));
+        }
+        let host = uri
+            .host()
+            .ok_or_else(|| format!("upstream URL {url:?} has no host"))?;
+        let port = uri.port_u16().unwrap_or(80);
+        if uri.query().is_some() {
+            return Err(format!(
+                "upstream URL {url:?}: a query string is not allowed"
+            ));
+        }
+        Ok(Self {
+            authority: format!("{host}:{port}"),
+            base_path: uri.path().trim_end_matches('/').to_owned(),
+        })
+    }
+}
+
+/// One `--route` / `--optional-route`: `METHOD PATH`, PATH ending in `*` for a prefix,
+/// METHOD `*` for any unsafe method.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteRule {
+    /// `None`: any method.
+    method: Option<Method>,
+    /// The path as written (it names the scope's route: `POST /v1/*`).
+    pattern: String,
+    /// Whether `pattern` ends in `*`.
+    prefix: bool,
+    /// Whether a key is required or optional.
+    requirement: KeyRequirement,
+}
+
+impl RouteRule {
+    /// Parses `"METHOD PATH"`.
+    pub fn parse(spec: &str, requirement: KeyRequirement) -> Result<Self, String> {
+        let (method, pattern) = spec.trim().split_once(' ').ok_or_else(|| {
+            format!("route {spec:?}: expected \"METHOD PATH\", e.g. \"POST /v1/*\"")
+        })?;
+        let pattern = pattern.trim();
+        if !(pattern.starts_with('/') || pattern == "*") {
+            return Err(format!(
+                "route {spec:?}: the path must start with / (or be *)"
+            ));
+        }
+        if pattern.trim_end_matches('*').contains('*') {
+            return Err(format!("route {spec:?}: `*` is allowed only at the end"));
+        }
+        let method = match method.trim() {
+            "*" => None,
+            m => Some(
+                Method::from_bytes(m.to_ascii_uppercase().as_bytes())
+                    .map_err(|_| format!("route {spec:?}: invalid method {m:?}"))?,
+            ),
+        };
+        Ok(Self {
+            method,
+            prefix: pattern.ends_with('*'),
+            pattern: pattern.to_owned(),
+            requirement,
+        })
+    }
+
+    fn matches(&self, method: &Method, path: &str) -> bool {
+        if self.method.as_ref().is_some_and(|m| m != method) {
+            return false;
+        }
+        if self.prefix {
+            path.starts_with(self.pattern.trim_end_matches('*'))
+        } else {
+            path == self.pattern
+        }
+    }
+
+    /// The route template of the scope and the fingerprint: the pattern as written.
+    fn pattern(&self) -> &str {
+        &self.pattern
+    }
+}
+
+/// Options of `idemkey gateway`.
+#[derive(Debug, Clone)]
+pub struct GatewayOptions {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// Where requests go.
+    pub upstream: Upstream,
+    /// Keyed routes, required ones first; the first match wins.
+    pub routes: Vec<RouteRule>,
+    /// What a retry gets while the first attempt runs.
+    pub in_flight: InFlightPolicy,
+    /// How long an owner holds a reservation without renewing it.
+    pub lease: Duration,
+    /// Bound of the TCP connect to the upstream.
+    pub connect_timeout: Duration,
+    /// Bound of the upstream's answer, body included.
+    pub upstream_timeout: Duration,
+    /// Largest keyed request body (413 past it).
+    pub max_request_body: usize,
+    /// Largest upstream answer that is stored.
+    pub max_stored_response: usize,
+    /// Store upstream 5xx answers instead of releasing the key.
+    pub store_5xx: bool,
+    /// How long outcomes are kept.
+    pub retention: Duration,
+    /// Bearer token → tenant; when empty, the tenant is a keyed hash of `Authorization`.
+    pub api_keys: ApiKeys,
+    /// The key secret; when `None`, the one kept in the database.
+    pub key_secret: Option<String>,
+    /// The reconciler's URL template (`{key}` is replaced by the percent-encoded key).
+    pub reconcile_url: Option<String>,
+    /// How often the reconciler runs.
+    pub reconcile_interval: Duration,
+    /// Test and demo aid: wait this long after the reservation, before connecting upstream.
+    pub simulate_delay_before_forward: Duration,
+    /// How often expired records are purged.
+    pub purge_interval: Duration,
+}
+
+/// What the gateway's handlers share.
+#[derive(Debug)]
+struct Inner<S> {
+    store: S,
+    hasher: KeyHasher,
+    sealer: KeySealer,
+    metrics: Metrics,
+    options: GatewayOptions,
+}
+
+/// The gateway's state.
+#[derive(Debug)]
+struct Gateway<S>(Arc<Inner<S>>);
+
+impl<S> Clone for Gateway<S> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<S> std::ops::Deref for Gateway<S> {
+    type Target = Inner<S>;
+
+    fn deref(&self) -> &Inner<S> {
+        &self.0
+    }
+}
+
+/// The tenant: from the bearer token when API keys are configured (401 otherwise), else a
+/// keyed hash of the whole `Authorization` header (`anonymous` without one).
+async fn authenticate<S: AppDb>(
+    State(gw): State<Gateway<S>>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    let authorization = req.headers().get(header::AUTHORIZATION);
+    let tenant = if gw.options.api_keys.is_empty() {
+        gw.sealer
+            .tenant_of(authorization.map(http::HeaderValue::as_bytes))
+    } else {
+        let tenant = authorization
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|token| gw.options.api_keys.tenant(token.trim()));
+        match tenant {
+            Some(t) => t.to_owned(),
+            None => return ApiError::Unauthorized.into_response(),
+        }
+    };
+    req.extensions_mut().insert(Tenant(tenant));
+    next.run(req).await
+}
+
+fn router<S: AppDb>(gw: Gateway<S>) -> Router {
+    let metrics = gw.metrics.clone();
+    let proxied = Router::new()
+        .fallback(proxy::handle::<S>)
+        .with_state(gw.clone());
+    let api = status_router(gw.store.clone(), gw.hasher.clone())
+        .merge(proxied)
+        .layer(from_fn_with_state(gw, authenticate::<S>));
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/metrics",
+            get(move || {
+                let metrics = metrics.clone();
+                async move {
+                    (
+                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                        metrics.render(),
+                    )
+                }
+            }),
+        )
+        .merge(api)
+}
+
+/// Migrates, then proxies until SIGTERM or Ctrl-C, with the purge and (when configured) the
+/// reconciler running beside it.
+pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result<()> {
+    db.migrate_all().await.context("migrations failed")?;
+    let secret = key_secret(&db, options.key_secret.as_deref()).await?;
+    let metrics = Metrics::new();
+    let gw = Gateway(Arc::new(Inner {
+        store: db.clone(),
+        hasher: KeyHasher::new(&secret),
+        sealer: KeySealer::new(&secret),
+        metrics: metrics.clone(),
+        options: options.clone(),
+    }));
+    let listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", options.listen))?;
+    let routes: Vec<String> = options
+        .routes
+        .iter()
+        .map(|r| {
+            let method = r.method.as_ref().map_or("*", Method::as_str);
+            let kind = match r.requirement {
+                KeyRequirement::Optional => "key optional",
+                _ => "key required",
+            };
+            format!("{method} {} ({kind})", r.pattern)
+        })
+        .collect();
+    println!(
+        "upstream http://{}{}; keyed routes: {}",
+        options.upstream.authority,
+        options.upstream.base_path,
+        routes.join(", ")
+    );
+    println!(
+        "idemkey gateway listening on http://{}",
+        listener.local_addr()?
+    );
+    let purge = tokio::spawn(purge_loop(db, metrics, options.purge_interval));
+    let reconcile = options.reconcile_url.clone().map(|template| {
+        tokio::spawn(reconciler::run(
+            gw.clone(),
+            template,
+            options.reconcile_interval,
+        ))
+    });
+    axum::serve(listener, router(gw))
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("gateway failed")?;
+    purge.abort();
+    if let Some(r) = reconcile {
+        r.abort();
+    }
+    println!("idemkey gateway stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_upstreams() {
+        assert_eq!(
+            Upstream::parse("http://127.0.0.1:9000").unwrap(),
+            Upstream {
+                authority: "127.0.0.1:9000".into(),
+                base_path: String::new()
+            }
+        );
+        assert_eq!(
+            Upstream::parse("http://svc/api/").unwrap(),
+            Upstream {
+                authority: "svc:80".into(),
+                base_path: "/api".into()
+            }
+        );
+        assert!(Upstream::parse("https://svc").is_err());
+        assert!(Upstream::parse("svc:80").is_err());
+    }
+
+    #[test]
+    fn matches_routes() {
+        let any = RouteRule::parse("POST *", KeyRequirement::Required).unwrap();
+        assert!(any.matches(&Method::POST, "/anything"));
+        assert!(!any.matches(&Method::PUT, "/anything"));
+        let prefix = RouteRule::parse("* /v1/*", KeyRequirement::Optional).unwrap();
+        assert!(prefix.matches(&Method::PATCH, "/v1/transfers"));
+        assert!(!prefix.matches(&Method::PATCH, "/v2/transfers"));
+        let exact = RouteRule::parse("post /v1/transfers", KeyRequirement::Required).unwrap();
+        assert!(exact.matches(&Method::POST, "/v1/transfers"));
+        assert!(!exact.matches(&Method::POST, "/v1/transfers/1"));
+        assert_eq!(exact.pattern(), "/v1/transfers");
+        assert!(RouteRule::parse("POST", KeyRequirement::Required).is_err());
+        assert!(RouteRule::parse("POST /a*b", KeyRequirement::Required).is_err());
+        assert!(RouteRule::parse("POST v1", KeyRequirement::Required).is_err());
+    }
+}

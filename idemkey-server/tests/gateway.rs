@@ -1,0 +1,1168 @@
+//! End-to-end tests of `idemkey gateway`: gateway processes (children of the `idemkey`
+//! binary) in front of a real HTTP upstream that counts its effects.
+//!
+//! The upstream is an axum server on 127.0.0.1:0 running in its own thread and runtime, so
+//! it keeps serving while a test's own runtime waits. It counts one effect per request, per
+//! `Idempotency-Key`, *before* it answers (the effect happens even when its answer is lost),
+//! and can be told, per key, to answer late, to close the connection after the effect, or
+//! to close it before any effect. `GET /v1/transfers?idempotency_key=K` answers 200 with the
+//! transfer when it exists and 404 otherwise: what the reconciler asks.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use futures::future::join_all;
+use serde_json::{Value, json};
+use tokio::sync::Semaphore;
+
+const TOKEN: &str = "tok1";
+const TENANT: &str = "t1";
+const TRANSFERS: &str = "/v1/transfers";
+
+// ---------------------------------------------------------------------------------------
+// The upstream.
+
+/// What the upstream does with one key's next request.
+#[derive(Debug, Clone, Copy)]
+enum Behaviour {
+    /// The effect, then the answer after this long.
+    Delay(Duration),
+    /// The effect, then the connection closes without a complete answer.
+    DropAfterEffect,
+    /// The connection closes without an answer and without an effect.
+    DropBeforeEffect,
+    /// This status, without an effect.
+    Fail(u16),
+}
+
+#[derive(Debug, Default)]
+struct Ledger {
+    /// Effects per key.
+    effects: HashMap<String, u32>,
+    /// The transfer made for each key.
+    transfers: HashMap<String, Value>,
+    /// Per key: what to do with its next request (used once).
+    next: HashMap<String, Behaviour>,
+    /// Requests that reached the upstream, by method and path.
+    requests: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Upstream {
+    ledger: Arc<Mutex<Ledger>>,
+    base: String,
+}
+
+impl Upstream {
+    /// Starts the upstream in its own thread and runtime.
+    fn start() -> Self {
+        let ledger = Arc::new(Mutex::new(Ledger::default()));
+        let (tx, rx) = mpsc::channel();
+        let state = ledger.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("upstream runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind the upstream");
+                tx.send(listener.local_addr().expect("address")).ok();
+                let app = Router::new()
+                    .route(TRANSFERS, post(create).get(lookup))
+                    .fallback(other)
+                    .with_state(state);
+                axum::serve(listener, app).await.expect("upstream");
+            });
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("upstream address");
+        Self {
+            ledger,
+            base: format!("http://{addr}"),
+        }
+    }
+
+    fn effects(&self, key: &str) -> u32 {
+        let ledger = self.ledger.lock().unwrap();
+        ledger.effects.get(key).copied().unwrap_or(0)
+    }
+
+    fn total_effects(&self) -> u32 {
+        self.ledger.lock().unwrap().effects.values().sum()
+    }
+
+    fn keys_with_effects(&self) -> usize {
+        self.ledger.lock().unwrap().effects.len()
+    }
+
+    fn max_effects_per_key(&self) -> u32 {
+        let ledger = self.ledger.lock().unwrap();
+        ledger.effects.values().copied().max().unwrap_or(0)
+    }
+
+    fn on_next(&self, key: &str, behaviour: Behaviour) {
+        let mut ledger = self.ledger.lock().unwrap();
+        ledger.next.insert(key.to_owned(), behaviour);
+    }
+
+    fn requests(&self) -> Vec<String> {
+        self.ledger.lock().unwrap().requests.clone()
+    }
+
+    fn reconcile_url(&self) -> String {
+        format!("{}{TRANSFERS}?idempotency_key={{key}}", self.base)
+    }
+}
+
+type Shared = Arc<Mutex<Ledger>>;
+
+/// A body that fails at once: the server closes the connection without a complete answer.
+fn broken_body() -> Response {
+    let failing = futures::stream::once(async {
+        Err::<Bytes, std::io::Error>(std::io::Error::other("the upstream drops this answer"))
+    });
+    (StatusCode::CREATED, Body::from_stream(failing)).into_response()
+}
+
+async fn create(State(ledger): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let authorized = headers.get("authorization").and_then(|v| v.to_str().ok())
+        == Some(&format!("Bearer {TOKEN}"));
+    let (behaviour, transfer) = {
+        let mut ledger = ledger.lock().unwrap();
+        ledger.requests.push(format!("POST {TRANSFERS}"));
+        let behaviour = ledger.next.remove(&key);
+        match behaviour {
+            Some(Behaviour::DropBeforeEffect) => return broken_body(),
+            Some(Behaviour::Fail(status)) => {
+                let status = StatusCode::from_u16(status).expect("status");
+                return (status, "upstream failed before any effect").into_response();
+            }
+            _ => {}
+        }
+        // The effect, before any answer.
+        let n = ledger.effects.values().sum::<u32>() + 1;
+        *ledger.effects.entry(key.clone()).or_default() += 1;
+        let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        let transfer = json!({
+            "id": format!("tr_{n}"),
+            "key_seen": !key.is_empty(),
+            "authorized": authorized,
+            "request": request,
+        });
+        ledger.transfers.insert(key.clone(), transfer.clone());
+        (behaviour, transfer)
+    };
+    match behaviour {
+        Some(Behaviour::Delay(d)) => tokio::time::sleep(d).await,
+        Some(Behaviour::DropAfterEffect) => return broken_body(),
+        _ => {}
+    }
+    let location = format!(
+        "{TRANSFERS}/{}",
+        transfer["id"].as_str().unwrap_or_default()
+    );
+    (
+        StatusCode::CREATED,
+        [("location", location), ("x-upstream", "yes".to_owned())],
+        axum::Json(transfer),
+    )
+        .into_response()
+}
+
+async fn lookup(
+    State(ledger): State<Shared>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let key = q.get("idempotency_key").cloned().unwrap_or_default();
+    let ledger = ledger.lock().unwrap();
+    match ledger.transfers.get(&key) {
+        Some(transfer) => (StatusCode::OK, axum::Json(transfer.clone())).into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+async fn other(State(ledger): State<Shared>, req: axum::extract::Request) -> Response {
+    let line = format!("{} {}", req.method(), req.uri().path());
+    ledger.lock().unwrap().requests.push(line.clone());
+    (StatusCode::OK, format!("upstream saw {line}")).into_response()
+}
+
+// ---------------------------------------------------------------------------------------
+// Gateway processes.
+
+/// A database the gateways of one test share.
+struct Db {
+    url: String,
+    dir: tempfile::TempDir,
+}
+
+impl Db {
+    fn sqlite() -> Self {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let url = format!("sqlite:{}", dir.path().join("gateway.db").display());
+        Self { url, dir }
+    }
+
+    async fn postgres() -> Self {
+        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
+            .await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        let dir = tempfile::tempdir().expect("temporary directory");
+        Self { url, dir }
+    }
+
+    /// Starts `idemkey gateway` on this database in front of `upstream`, with tenant `t1`.
+    async fn gateway(&self, upstream: &str, extra: &[&str]) -> Gateway {
+        let mut args: Vec<String> = [
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--database-url",
+            &self.url,
+            "--upstream",
+            upstream,
+            "--api-key",
+            "t1=tok1",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let log = self
+            .dir
+            .path()
+            .join(format!("gateway-{}.log", rand_suffix()));
+        tokio::task::spawn_blocking(move || Gateway::spawn(args, log))
+            .await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    }
+
+    /// Runs `idemkey keys …` on this database; returns (success, stdout, stderr).
+    async fn keys(&self, args: &[&str]) -> (bool, String, String) {
+        let mut all: Vec<String> = vec!["keys".into(), args[0].into()];
+        all.extend(["--database-url".into(), self.url.clone()]);
+        all.extend(args[1..].iter().map(|s| (*s).to_owned()));
+        tokio::task::spawn_blocking(move || {
+            let output = Command::new(env!("CARGO_BIN_EXE_idemkey"))
+                .args(&all)
+                .env_remove("IDEMKEY_API_KEYS")
+                .env_remove("IDEMKEY_KEY_SECRET")
+                .env_remove("IDEMKEY_DATABASE_URL")
+                .env("USER", "alice")
+                .stdin(Stdio::null())
+                .output()
+                .expect("run idemkey keys");
+            (
+                output.status.success(),
+                String::from_utf8_lossy(&output.stdout).into_owned(),
+                String::from_utf8_lossy(&output.stderr).into_owned(),
+            )
+        })
+        .await
+        .expect("keys task")
+    }
+}
+
+fn rand_suffix() -> usize {
+    static STARTED: AtomicUsize = AtomicUsize::new(0);
+    STARTED.fetch_add(1, Ordering::SeqCst)
+}
+
+/// A running gateway; SIGKILLed when dropped.
+struct Gateway {
+    child: Option<Child>,
+    base: String,
+    log: PathBuf,
+}
+
+impl Gateway {
+    fn spawn(args: Vec<String>, log: PathBuf) -> Self {
+        let stderr = std::fs::File::create(&log).expect("log file");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idemkey"))
+            .args(&args)
+            .env_remove("IDEMKEY_API_KEYS")
+            .env_remove("IDEMKEY_KEY_SECRET")
+            .env_remove("IDEMKEY_DATABASE_URL")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .expect("start idemkey gateway");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Some(base) = line.strip_prefix("idemkey gateway listening on ")
+                    && let Some(tx) = tx.take()
+                {
+                    let _ = tx.send(base.trim().to_owned());
+                }
+            }
+        });
+        let mut gateway = Self {
+            child: Some(child),
+            base: String::new(),
+            log,
+        };
+        match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(base) => {
+                assert!(base.starts_with("http://127.0.0.1:"), "{base}");
+                gateway.base = base;
+                gateway
+            }
+            Err(e) => {
+                gateway.kill9();
+                panic!("the gateway did not start ({e}):\n{}", gateway.log_text());
+            }
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal}");
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn client(&self) -> Client {
+        Client::new(&self.base)
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A client.
+
+#[derive(Debug, Clone)]
+struct Answer {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.text()))
+    }
+
+    #[track_caller]
+    fn assert_problem(&self, status: u16, name: &str) {
+        assert_eq!(self.status, status, "{}", self.text());
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert_eq!(
+            self.json()["type"],
+            format!("urn:idemkey:problem:{name}"),
+            "{}",
+            self.text()
+        );
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Client {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl Client {
+    fn new(base: &str) -> Self {
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .expect("client");
+        Self {
+            http,
+            base: base.to_owned(),
+        }
+    }
+
+    async fn try_transfer(&self, key: &str, amount: i64) -> Result<Answer, reqwest::Error> {
+        let response = self
+            .http
+            .post(format!("{}{TRANSFERS}", self.base))
+            .bearer_auth(TOKEN)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(json!({ "amount": amount, "to": "acct-9" }).to_string())
+            .send()
+            .await?;
+        read(response).await
+    }
+
+    async fn transfer_as(&self, authorization: Option<&str>, key: &str) -> Answer {
+        let mut request = self
+            .http
+            .post(format!("{}{TRANSFERS}", self.base))
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body("{\"amount\":1}");
+        if let Some(value) = authorization {
+            request = request.header("authorization", value);
+        }
+        read(request.send().await.expect("POST"))
+            .await
+            .expect("body")
+    }
+
+    async fn transfer(&self, key: &str, amount: i64) -> Answer {
+        self.try_transfer(key, amount)
+            .await
+            .unwrap_or_else(|e| panic!("POST {TRANSFERS} {key}: {e:?}"))
+    }
+
+    async fn get(&self, path: &str) -> Answer {
+        let response = self
+            .http
+            .get(format!("{}{path}", self.base))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("GET");
+        read(response).await.expect("body")
+    }
+
+    async fn metric(&self, series: &str) -> u64 {
+        let text = self.get("/metrics").await.text();
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {series}:\n{text}"))
+            .trim()
+            .parse()
+            .expect("counter")
+    }
+}
+
+async fn read(response: reqwest::Response) -> Result<Answer, reqwest::Error> {
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.bytes().await?.to_vec();
+    Ok(Answer {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// Retries (bounded) until the answer is not a 409 in-flight / 503; returns it.
+async fn settle(client: &Client, key: &str, amount: i64) -> Answer {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let answer = client.transfer(key, amount).await;
+        if !matches!(answer.status, 409 | 503) || Instant::now() > deadline {
+            return answer;
+        }
+        if answer.json()["type"] == "urn:idemkey:problem:outcome-unknown" {
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits (bounded) until the upstream has seen `n` effects of `key`.
+async fn until_effects(upstream: &Upstream, key: &str, n: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while upstream.effects(key) < n {
+        assert!(
+            Instant::now() < deadline,
+            "{key}: no effect reached the upstream"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits (bounded) until `key` has a record, as the status resource shows it.
+async fn until_reserved(client: &Client, key: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = client.get(&format!("/idempotency/v1/keys/{key}")).await;
+        if status.status == 200 {
+            assert_eq!(status.json()["records"][0]["state"], "reserved");
+            return;
+        }
+        assert!(Instant::now() < deadline, "{key}: never reserved");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Races.
+
+/// 200 keys × 16 identical concurrent requests spread over `gateways`: exactly 200 upstream
+/// effects, one per key, and per key exactly one executed 201 and identical replays.
+async fn race(upstream: &Upstream, gateways: &[&Gateway]) {
+    const KEYS: usize = 200;
+    const COPIES: usize = 16;
+    let clients: Vec<Client> = gateways.iter().map(|g| g.client()).collect();
+    let limit = Arc::new(Semaphore::new(64));
+    let tasks = (0..KEYS * COPIES).map(|i| {
+        let (k, client, limit) = (
+            i / COPIES,
+            clients[i % clients.len()].clone(),
+            limit.clone(),
+        );
+        async move {
+            let _permit = limit.acquire().await.expect("semaphore");
+            let key = format!("race-{k}");
+            (k, client.try_transfer(&key, k as i64).await)
+        }
+    });
+    let results = join_all(tasks).await;
+    let mut by_key: Vec<Vec<Answer>> = vec![Vec::new(); KEYS];
+    for (k, result) in results {
+        by_key[k].push(result.unwrap_or_else(|e| panic!("key {k}: {e:?}")));
+    }
+    let mut in_flight = 0;
+    for (k, answers) in by_key.iter().enumerate() {
+        let mut fresh = Vec::new();
+        let mut replays = Vec::new();
+        for a in answers {
+            match a.status {
+                201 if a.replayed() => replays.push(a),
+                201 => fresh.push(a),
+                409 => {
+                    a.assert_problem(409, "request-in-flight");
+                    in_flight += 1;
+                }
+                503 => {
+                    a.assert_problem(503, "store-busy");
+                    in_flight += 1;
+                }
+                other => panic!("key {k}: unexpected {other} {}", a.text()),
+            }
+        }
+        assert_eq!(fresh.len(), 1, "key {k}: exactly one executed 201");
+        assert!(fresh[0].header("idempotency-key-expires").is_some());
+        for r in &replays {
+            assert_eq!(r.body, fresh[0].body, "key {k}: replays are byte for byte");
+            assert_eq!(r.header("location"), fresh[0].header("location"));
+            assert_eq!(
+                r.header("x-upstream"),
+                None,
+                "only allowlisted headers replay"
+            );
+        }
+    }
+    assert_eq!(upstream.total_effects(), KEYS as u32, "upstream effects");
+    assert_eq!(upstream.keys_with_effects(), KEYS);
+    assert_eq!(upstream.max_effects_per_key(), 1);
+    eprintln!(
+        "race over {} gateway(s): {KEYS} keys x {COPIES}: {} effects, {in_flight} in-flight answers",
+        gateways.len(),
+        upstream.total_effects()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn race_200_keys_16_copies_sqlite() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db.gateway(&upstream.base, &[]).await;
+    race(&upstream, &[&gw]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn race_200_keys_16_copies_postgres() {
+    let upstream = Upstream::start();
+    let db = Db::postgres().await;
+    let gw = db.gateway(&upstream.base, &[]).await;
+    race(&upstream, &[&gw]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn race_across_two_gateways_postgres() {
+    let upstream = Upstream::start();
+    let db = Db::postgres().await;
+    let a = db.gateway(&upstream.base, &[]).await;
+    let b = db.gateway(&upstream.base, &[]).await;
+    race(&upstream, &[&a, &b]).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// Crashes, time-outs, refused connections.
+
+/// Killed after the reservation, before anything was sent: once the lease lapses, a retry
+/// through a new gateway takes over and the upstream sees exactly one effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_before_forwarding_is_taken_over() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let mut first = db
+        .gateway(
+            &upstream.base,
+            &["--lease", "1s", "--simulate-delay-before-forward", "2000"],
+        )
+        .await;
+    let client = first.client();
+    let pending = tokio::spawn(async move { client.try_transfer("crash-before", 7).await });
+    until_reserved(&first.client(), "crash-before").await;
+    first.kill9();
+    assert!(
+        pending.await.expect("task").is_err(),
+        "the first attempt lost its answer"
+    );
+    assert_eq!(upstream.effects("crash-before"), 0, "nothing was sent");
+
+    let second = db.gateway(&upstream.base, &["--lease", "1s"]).await;
+    let started = Instant::now();
+    let answer = settle(&second.client(), "crash-before", 7).await;
+    assert_eq!(answer.status, 201, "{}", answer.text());
+    assert!(!answer.replayed(), "the retry executed");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(upstream.effects("crash-before"), 1);
+    let again = second.client().transfer("crash-before", 7).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, answer.body);
+    assert_eq!(upstream.effects("crash-before"), 1);
+}
+
+/// Killed after forwarding: once the lease lapses, retries get 409 outcome-unknown and never
+/// reach the upstream again; the reconciler settles the operation from the upstream's own
+/// record, retries then replay that, and `keys show` has the audit entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_forwarding_is_unknown_until_reconciled() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    upstream.on_next("crash-after", Behaviour::Delay(Duration::from_secs(2)));
+    let mut first = db.gateway(&upstream.base, &["--lease", "1s"]).await;
+    let client = first.client();
+    let pending = tokio::spawn(async move { client.try_transfer("crash-after", 9).await });
+    until_effects(&upstream, "crash-after", 1).await;
+    tokio::time::sleep(Duration::from_millis(400)).await; // the upstream is still working
+    first.kill9();
+    assert!(pending.await.expect("task").is_err());
+    assert_eq!(upstream.effects("crash-after"), 1, "the request was sent");
+
+    let second = db.gateway(&upstream.base, &["--lease", "1s"]).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await; // the lease lapses
+    for _ in 0..3 {
+        let answer = second.client().transfer("crash-after", 9).await;
+        answer.assert_problem(409, "outcome-unknown");
+        assert_eq!(
+            answer.json()["status_url"],
+            "/idempotency/v1/keys/crash-after"
+        );
+        assert!(answer.header("link").is_some());
+    }
+    let status = second
+        .client()
+        .get("/idempotency/v1/keys/crash-after")
+        .await;
+    assert_eq!(status.status, 200, "{}", status.text());
+    assert_eq!(status.json()["records"][0]["state"], "indeterminate");
+    tokio::time::sleep(Duration::from_millis(1500)).await; // the upstream's late answer
+    assert_eq!(upstream.effects("crash-after"), 1, "never re-executed");
+    drop(second);
+
+    let reconciling = db
+        .gateway(
+            &upstream.base,
+            &[
+                "--reconcile-url",
+                &upstream.reconcile_url(),
+                "--reconcile-interval",
+                "200ms",
+            ],
+        )
+        .await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let answer = loop {
+        let answer = reconciling.client().transfer("crash-after", 9).await;
+        if answer.status != 409 || Instant::now() > deadline {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        answer.status,
+        200,
+        "the reconciler's answer: {}",
+        answer.text()
+    );
+    assert!(answer.replayed());
+    assert_eq!(answer.json()["id"], "tr_1");
+    assert_eq!(upstream.effects("crash-after"), 1);
+    assert_eq!(
+        reconciling
+            .client()
+            .metric("idemkey_reconciled_total{result=\"settled_completed\"}")
+            .await,
+        1
+    );
+    let (ok, out, err) = db.keys(&["show", "--tenant", TENANT, "crash-after"]).await;
+    assert!(ok, "{err}");
+    assert!(out.contains("\"actor\": \"reconciler\""), "{out}");
+    assert!(out.contains("\"action\": \"resolved-completed\""), "{out}");
+    assert!(out.contains("\"state\": \"completed\""), "{out}");
+}
+
+/// An operator releases an unknown outcome whose effect did not happen; the next retry
+/// executes. Resolving a record that is not indeterminate is refused, readably.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_releases_an_unknown_outcome() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db.gateway(&upstream.base, &[]).await;
+    upstream.on_next("dropped", Behaviour::DropBeforeEffect);
+    let first = gw.client().transfer("dropped", 5).await;
+    first.assert_problem(504, "upstream-outcome-unknown");
+    let retry = gw.client().transfer("dropped", 5).await;
+    retry.assert_problem(409, "outcome-unknown");
+    assert_eq!(upstream.effects("dropped"), 0);
+    assert_eq!(
+        gw.client()
+            .metric("idemkey_marked_indeterminate_total")
+            .await,
+        1
+    );
+
+    let (ok, out, err) = db
+        .keys(&[
+            "resolve",
+            "--tenant",
+            TENANT,
+            "--route",
+            "POST *",
+            "dropped",
+            "--released",
+            "--note",
+            "no transfer in the bank's ledger",
+        ])
+        .await;
+    assert!(ok, "{err}");
+    assert!(out.contains("now released"), "{out}");
+    let (ok, out, _) = db
+        .keys(&["show", "--tenant", TENANT, "--route", "POST *", "dropped"])
+        .await;
+    assert!(ok);
+    assert!(out.contains("\"actor\": \"operator:alice\""), "{out}");
+    assert!(
+        out.contains("key released; no transfer in the bank's ledger"),
+        "{out}"
+    );
+
+    let executed = gw.client().transfer("dropped", 5).await;
+    assert_eq!(executed.status, 201, "{}", executed.text());
+    assert!(!executed.replayed());
+    assert_eq!(upstream.effects("dropped"), 1);
+
+    let (ok, _, err) = db
+        .keys(&[
+            "resolve",
+            "--tenant",
+            TENANT,
+            "--route",
+            "POST *",
+            "dropped",
+            "--completed",
+            "--status",
+            "201",
+            "--body",
+            "{}",
+        ])
+        .await;
+    assert!(!ok);
+    assert!(
+        err.contains("the record is completed, not indeterminate"),
+        "{err}"
+    );
+    let (ok, out, _) = db.keys(&["show", "--tenant", TENANT, "dropped"]).await;
+    assert!(ok);
+    assert_eq!(out.matches("\"action\"").count(), 1, "{out}");
+}
+
+/// An upstream that answers after the time-out: 504, then 409 outcome-unknown; the request
+/// is never sent again. An upstream that closes the connection after its effect: the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeouts_and_resets_are_unknown_not_re_executed() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db
+        .gateway(&upstream.base, &["--upstream-timeout", "500ms"])
+        .await;
+    upstream.on_next("slow", Behaviour::Delay(Duration::from_millis(1200)));
+    upstream.on_next("reset", Behaviour::DropAfterEffect);
+    for key in ["slow", "reset"] {
+        let first = gw.client().transfer(key, 1).await;
+        first.assert_problem(504, "upstream-outcome-unknown");
+        assert_eq!(
+            first.json()["status_url"],
+            format!("/idempotency/v1/keys/{key}")
+        );
+        for _ in 0..2 {
+            gw.client()
+                .transfer(key, 1)
+                .await
+                .assert_problem(409, "outcome-unknown");
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(upstream.effects("slow"), 1);
+    assert_eq!(upstream.effects("reset"), 1);
+    assert_eq!(
+        upstream.requests().len(),
+        2,
+        "retries never reached the upstream"
+    );
+    assert_eq!(
+        gw.client()
+            .metric("idemkey_marked_indeterminate_total")
+            .await,
+        2
+    );
+}
+
+/// A refused connection means nothing was sent: 503 upstream-unavailable with Retry-After,
+/// the key is released, and a retry through a gateway whose upstream is up executes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_connection_releases_the_key() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        format!("http://{}", listener.local_addr().expect("addr"))
+    }; // the listener is closed here: connections are refused
+    let down = db.gateway(&closed, &[]).await;
+    let answer = down.client().transfer("refused", 3).await;
+    answer.assert_problem(503, "upstream-unavailable");
+    assert_eq!(answer.header("retry-after"), Some("1"));
+    let status = down.client().get("/idempotency/v1/keys/refused").await;
+    assert_eq!(status.status, 404, "released: {}", status.text());
+
+    let up = db.gateway(&upstream.base, &[]).await;
+    let answer = up.client().transfer("refused", 3).await;
+    assert_eq!(answer.status, 201, "{}", answer.text());
+    assert!(!answer.replayed());
+    assert_eq!(upstream.effects("refused"), 1);
+    let body = answer.json();
+    assert_eq!(body["key_seen"], true, "Idempotency-Key is forwarded");
+    assert_eq!(body["authorized"], true, "Authorization is forwarded");
+}
+
+/// A stale owner — a gateway frozen (SIGSTOP) after its reservation until its lease lapsed
+/// and another gateway took over and completed — cannot overwrite the newer outcome, and
+/// never sends the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_owner_cannot_overwrite_the_newer_outcome() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let stale = db
+        .gateway(
+            &upstream.base,
+            &["--lease", "1s", "--simulate-delay-before-forward", "1500"],
+        )
+        .await;
+    let client = stale.client();
+    let pending = tokio::spawn(async move { client.transfer("stale", 4).await });
+    until_reserved(&stale.client(), "stale").await;
+    stale.signal("-STOP");
+    let fresh = db.gateway(&upstream.base, &["--lease", "1s"]).await;
+    let answer = settle(&fresh.client(), "stale", 4).await;
+    assert_eq!(answer.status, 201, "{}", answer.text());
+    assert!(!answer.replayed());
+    stale.signal("-CONT");
+    let late = pending.await.expect("task");
+    late.assert_problem(409, "request-in-flight");
+    assert_eq!(
+        upstream.effects("stale"),
+        1,
+        "the stale owner never forwarded"
+    );
+    let replay = stale.client().transfer("stale", 4).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, answer.body, "the newer outcome stands");
+}
+
+/// Requests that are not keyed pass through untouched; keyed routes refuse a missing key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unkeyed_requests_pass_through() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db
+        .gateway(
+            &upstream.base,
+            &["--route", "POST /v1/*", "--optional-route", "PUT /v1/*"],
+        )
+        .await;
+    let c = gw.client();
+    let got = c.get("/v1/anything?x=1").await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.text(), "upstream saw GET /v1/anything");
+    let put = c
+        .http
+        .put(format!("{}/v1/things/1", c.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("PUT");
+    assert_eq!(put.status(), 200);
+    let post = c
+        .http
+        .post(format!("{}/other", c.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(post.status(), 200, "outside the keyed routes");
+    let missing = c
+        .http
+        .post(format!("{}{TRANSFERS}", c.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("POST");
+    read(missing)
+        .await
+        .expect("body")
+        .assert_problem(400, "key-missing");
+    let unauthorized = c
+        .http
+        .post(format!("{}{TRANSFERS}", c.base))
+        .header("idempotency-key", "k")
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(unauthorized.status(), 401);
+    assert_eq!(
+        upstream.requests(),
+        vec!["GET /v1/anything", "PUT /v1/things/1", "POST /other"]
+    );
+    assert_eq!(c.get("/healthz").await.status, 200);
+}
+
+/// Without API keys the tenant is a keyed hash of the Authorization header: the same key
+/// under two credentials is two operations, under one credential one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_from_credentials_without_api_keys() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let args = [
+        "gateway",
+        "--listen",
+        "127.0.0.1:0",
+        "--database-url",
+        &db.url,
+        "--upstream",
+    ];
+    let mut args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
+    args.push(upstream.base.clone());
+    let log = db.dir.path().join("no-keys.log");
+    let gw = tokio::task::spawn_blocking(move || Gateway::spawn(args, log))
+        .await
+        .expect("spawn");
+    let c = gw.client();
+    let a = c.transfer_as(Some("Bearer alice"), "shared").await;
+    let b = c.transfer_as(Some("Bearer bob"), "shared").await;
+    let none = c.transfer_as(None, "shared").await;
+    let again = c.transfer_as(Some("Bearer alice"), "shared").await;
+    for answer in [&a, &b, &none] {
+        assert_eq!(answer.status, 201, "{}", answer.text());
+        assert!(!answer.replayed());
+    }
+    assert!(again.replayed());
+    assert_eq!(again.body, a.body);
+    assert_eq!(
+        upstream.effects("shared"),
+        3,
+        "three tenants, three operations"
+    );
+}
+
+/// A retry while the first attempt runs: `wait` polls and replays, a short bound or `reject`
+/// answers 409 with Retry-After; a different body under the key is 422.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_retries_wait_or_are_refused() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let waiting = db.gateway(&upstream.base, &[]).await;
+    let rejecting = db.gateway(&upstream.base, &["--in-flight", "reject"]).await;
+    let short = db
+        .gateway(&upstream.base, &["--wait-timeout", "200ms"])
+        .await;
+    upstream.on_next("busy", Behaviour::Delay(Duration::from_millis(1200)));
+    let client = waiting.client();
+    let first = tokio::spawn(async move { client.transfer("busy", 2).await });
+    until_effects(&upstream, "busy", 1).await; // the first attempt is at the upstream
+    for gw in [&rejecting, &short] {
+        let answer = gw.client().transfer("busy", 2).await;
+        answer.assert_problem(409, "request-in-flight");
+        let retry_after: u64 = answer
+            .header("retry-after")
+            .expect("Retry-After")
+            .parse()
+            .expect("seconds");
+        assert!(retry_after >= 1);
+    }
+    waiting
+        .client()
+        .transfer("busy", 3)
+        .await
+        .assert_problem(422, "key-reused");
+    let replay = waiting.client().transfer("busy", 2).await;
+    let first = first.await.expect("first");
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(!first.replayed());
+    assert_eq!(
+        replay.status,
+        201,
+        "waited, then replayed: {}",
+        replay.text()
+    );
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.effects("busy"), 1);
+}
+
+/// An upstream 5xx releases the key and passes through (the retry executes); with
+/// `--store-5xx` it is stored and replayed. An answer too large to store is an unknown
+/// outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_errors_and_oversized_answers() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db.gateway(&upstream.base, &[]).await;
+    upstream.on_next("flaky", Behaviour::Fail(502));
+    let failed = gw.client().transfer("flaky", 1).await;
+    assert_eq!(failed.status, 502);
+    assert_eq!(failed.text(), "upstream failed before any effect");
+    let executed = gw.client().transfer("flaky", 1).await;
+    assert_eq!(executed.status, 201, "{}", executed.text());
+    assert!(!executed.replayed());
+    assert_eq!(upstream.effects("flaky"), 1);
+
+    let storing = db.gateway(&upstream.base, &["--store-5xx"]).await;
+    upstream.on_next("broken", Behaviour::Fail(503));
+    assert_eq!(storing.client().transfer("broken", 1).await.status, 503);
+    let replay = storing.client().transfer("broken", 1).await;
+    assert_eq!(replay.status, 503);
+    assert!(replay.replayed());
+    assert_eq!(upstream.requests().len(), 3);
+
+    let small = db
+        .gateway(&upstream.base, &["--max-stored-response", "16"])
+        .await;
+    small
+        .client()
+        .transfer("big", 1)
+        .await
+        .assert_problem(504, "upstream-outcome-unknown");
+    small
+        .client()
+        .transfer("big", 1)
+        .await
+        .assert_problem(409, "outcome-unknown");
+    assert_eq!(upstream.effects("big"), 1);
+}
+
+/// A raw TCP upstream that takes each request and then, without answering, closes the
+/// connection after reading it whole (FIN) or resets it with the request unread (RST).
+/// Returns its URL and the number of requests that reached it.
+fn raw_upstream(reset: bool) -> (String, Arc<AtomicUsize>) {
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let seen = Arc::new(AtomicUsize::new(0));
+    let counter = seen.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut buf = [0u8; 4096];
+            let mut request = Vec::new();
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf[..if reset { 1 } else { 4096 }]) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+                if reset {
+                    break; // close with unread bytes: the kernel answers with RST
+                }
+            }
+            if !request.is_empty() {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }
+            drop(stream);
+        }
+    });
+    (url, seen)
+}
+
+/// An upstream that closes the connection without an answer, or resets it: 504 and then 409
+/// outcome-unknown; the request never reaches it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_and_reset_connections_are_unknown() {
+    let db = Db::sqlite();
+    for (reset, key) in [(false, "closed"), (true, "reset")] {
+        let (url, seen) = raw_upstream(reset);
+        let gw = db.gateway(&url, &[]).await;
+        gw.client()
+            .transfer(key, 1)
+            .await
+            .assert_problem(504, "upstream-outcome-unknown");
+        for _ in 0..2 {
+            gw.client()
+                .transfer(key, 1)
+                .await
+                .assert_problem(409, "outcome-unknown");
+        }
+        assert_eq!(seen.load(Ordering::SeqCst), 1, "{key}: sent once");
+    }
+}
