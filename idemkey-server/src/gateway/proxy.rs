@@ -9,7 +9,7 @@ use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, header};
+use http::{HeaderValue, Method, header};
 use http_body_util::{BodyExt, Limited};
 use hyper_util::rt::TokioIo;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease};
@@ -19,7 +19,7 @@ use idemkey_core::{
 };
 use idemkey_tower::{
     IdempotencyRejection, InFlightPolicy, KeyRequirement, Outcome, Tenant, add_expiry,
-    answer_claim, read_body, status_url, store_unavailable, stored_headers,
+    answer_claim, read_body, status_url, store_unavailable, stored_headers, strip_hop_by_hop,
 };
 use tokio::net::TcpStream;
 use tracing::Instrument;
@@ -80,34 +80,6 @@ fn rejected<S>(gw: &Gateway<S>, rejection: IdempotencyRejection) -> Response {
     gw.metrics.attempt();
     gw.metrics.record(Outcome::Rejected, Duration::ZERO);
     rejection.into_response()
-}
-
-/// The request/response headers that are not forwarded: the hop-by-hop ones (RFC 9110
-/// §7.6.1) and the ones the `Connection` header names.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in [
-        header::CONNECTION,
-        header::PROXY_AUTHENTICATE,
-        header::PROXY_AUTHORIZATION,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-    ] {
-        headers.remove(name);
-    }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
 }
 
 /// The request as the upstream gets it: its path under the upstream's base path, every
