@@ -5,8 +5,8 @@ use std::io::Write;
 use anyhow::Context;
 use idemkey_core::protocol::Resolution;
 use idemkey_core::{
-    AuditEntry, IdempotencyKey, ListFilter, Record, RecordState, Scope, StoredResponse, Timestamp,
-    protocol,
+    AuditEntry, IdempotencyKey, KeyHasher, ListFilter, Record, RecordId, RecordState, Scope,
+    StoredResponse, Timestamp, protocol,
 };
 
 use crate::AppDb;
@@ -46,6 +46,19 @@ fn json(r: &Record, now: Timestamp) -> serde_json::Value {
         "response_status": r.response.as_ref().map(|resp| resp.status),
         "response_bytes": r.response.as_ref().map(|resp| resp.body.len()),
     })
+}
+
+/// The record identity of `key` for `tenant` on `route` ("METHOD /route/template").
+fn record_id(
+    hasher: &KeyHasher,
+    tenant: &str,
+    route: &str,
+    key: &IdempotencyKey,
+) -> anyhow::Result<RecordId> {
+    let (method, template) = route
+        .split_once(' ')
+        .context("--route must be METHOD and route template, e.g. \"POST /v1/payments\"")?;
+    Ok(hasher.record_id(&Scope::new(tenant, method, template), key))
 }
 
 /// `post /v1/x` → `POST /v1/x`, as [`Scope::new`] writes routes.
@@ -147,10 +160,7 @@ pub async fn run<S: AppDb>(
             // The audit trail of a route outlives its record (a released key).
             let gone = match &route {
                 Some(route) if !records.iter().any(|r| r.id.route == normalize(route)) => {
-                    let (method, template) = route
-                        .split_once(' ')
-                        .context("--route must be METHOD and route, e.g. \"POST /v1/transfers\"")?;
-                    let id = hasher.record_id(&Scope::new(&tenant, method, template), &key);
+                    let id = record_id(&hasher, &tenant, route, &key)?;
                     let trail = db.audit(&mut conn, &id).await?;
                     (!trail.is_empty()).then_some((id, trail))
                 }
@@ -184,10 +194,7 @@ pub async fn run<S: AppDb>(
             ..
         } => {
             let hasher = key_hasher(&db, key_secret.as_deref()).await?;
-            let (method, template) = route
-                .split_once(' ')
-                .context("--route must be METHOD and route template, e.g. \"POST /v1/payments\"")?;
-            let id = hasher.record_id(&Scope::new(tenant, method, template), &key(&raw)?);
+            let id = record_id(&hasher, &tenant, &route, &key(&raw)?)?;
             let mut conn = db.acquire().await?;
             if db.evict(&mut conn, &id).await? {
                 writeln!(out, "evicted {} ({})", id.key_id(), id.route)?;
@@ -208,10 +215,7 @@ pub async fn run<S: AppDb>(
             ..
         } => {
             let hasher = key_hasher(&db, key_secret.as_deref()).await?;
-            let (method, template) = route
-                .split_once(' ')
-                .context("--route must be METHOD and route, e.g. \"POST /v1/transfers\"")?;
-            let id = hasher.record_id(&Scope::new(tenant, method, template), &key(&raw)?);
+            let id = record_id(&hasher, &tenant, &route, &key(&raw)?)?;
             let resolution = if completed {
                 let status = status.context("--completed needs --status")?;
                 if !(100..=599).contains(&status) {
