@@ -129,6 +129,8 @@ async fn send(
 
 fn downstream(mut head: http::response::Parts, body: Body) -> Response {
     strip_hop_by_hop(&mut head.headers);
+    // The gateway answers in its own protocol version, whatever the upstream spoke.
+    head.version = http::Version::default();
     Response::from_parts(head, body)
 }
 
@@ -438,5 +440,29 @@ async fn owned_flow<S: AppDb>(
             tracing::warn!(error = %e, "the upstream's answer could not be stored");
             finish(Outcome::NotStored, downstream(head, Body::from(body)))
         }
+    }
+}
+
+#[cfg(test)]
+mod downstream_tests {
+    use super::*;
+
+    #[test]
+    fn answers_in_its_own_version_without_hop_by_hop_headers() {
+        let upstream = http::Response::builder()
+            .version(http::Version::HTTP_10)
+            .status(201)
+            .header(header::CONNECTION, "keep-alive")
+            .header("keep-alive", "timeout=5")
+            .header(header::LOCATION, "/v1/transfers/1")
+            .body(())
+            .unwrap();
+        let (head, ()) = upstream.into_parts();
+        let response = downstream(head, Body::empty());
+        assert_eq!(response.version(), http::Version::HTTP_11);
+        assert_eq!(response.status(), 201);
+        assert!(response.headers().get(header::CONNECTION).is_none());
+        assert!(response.headers().get("keep-alive").is_none());
+        assert_eq!(response.headers()[header::LOCATION], "/v1/transfers/1");
     }
 }
