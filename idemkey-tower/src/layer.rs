@@ -25,6 +25,8 @@ pub(crate) struct Config {
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) fingerprint: FingerprintSpec,
     pub(crate) metrics: Metrics,
+    /// `Some(lease)`: external mode (see [`External`](crate::External)).
+    pub(crate) external: Option<Duration>,
 }
 
 /// Applies the idempotency contract to a route, in the route's own database transaction.
@@ -80,6 +82,7 @@ impl<S> IdempotencyLayer<S> {
                 stored_headers: Vec::new(),
                 fingerprint: FingerprintSpec::default(),
                 metrics: Metrics::new(),
+                external: None,
             }),
             policy: DefaultStorePolicy,
         }
@@ -150,6 +153,14 @@ impl<S, P> IdempotencyLayer<S, P> {
                 fields: Some(fields),
             }
         })
+    }
+
+    /// External mode, for effects outside the store's database: the claim commits at once as
+    /// a reservation holding a lease of this length (renewed while the handler runs), and the
+    /// handler takes an [`External`](crate::External) instead of a [`Tx`](crate::Tx), marks
+    /// the point of no return before it calls out, and reports an unknown outcome.
+    pub fn external(self, lease: Duration) -> Self {
+        self.with(|c| c.external = Some(lease))
     }
 
     /// Counts into `metrics` (share one [`Metrics`] across routes and render it).

@@ -18,6 +18,7 @@
 //! Errors are `application/problem+json` ([`IdempotencyRejection`]). The full contract is
 //! in `docs/contract.md`. See [`IdempotencyLayer`] for an example.
 
+mod external;
 mod hop;
 mod layer;
 mod metrics;
@@ -27,6 +28,7 @@ mod service;
 mod status;
 mod tx;
 
+pub use self::external::{External, Renewal, keep_alive, reserve_waiting, settle};
 pub use self::hop::strip_hop_by_hop;
 pub use self::layer::{IdempotencyLayer, STATUS_PATH};
 pub use self::metrics::{Metrics, Outcome, Reconciled};

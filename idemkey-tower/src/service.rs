@@ -3,6 +3,7 @@
 use std::convert::Infallible;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -13,7 +14,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, header};
 use http_body_util::BodyExt;
-use idemkey_core::protocol::{self, Claim, ClaimOutcome};
+use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease};
 use idemkey_core::{
     HEADER_NAME, IdempotencyKey, RecordId, RequestParts, Scope, Store, StoreError, StoredResponse,
     Timestamp, fingerprint,
@@ -24,7 +25,9 @@ use tracing::Instrument;
 
 use crate::layer::{Config, STATUS_PATH};
 use crate::metrics::Outcome;
+use crate::external::{Flags, keep_alive, reserve_waiting, settle};
 use crate::tx::{Slot, TxSlot};
+use crate::External;
 use crate::{IdempotencyLayer, IdempotencyRejection, InFlightPolicy, StorePolicy, Tenant};
 
 /// The header added to replayed responses.
@@ -273,6 +276,10 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
             retention: self.config.retention,
             sealed_key: None,
         };
+        if let Some(lease) = self.config.external {
+            let req = Request::from_parts(parts, Body::from(bytes));
+            return self.run_external(inner, req, claim, lease).await;
+        }
 
         let mut tx = match store.begin().await {
             Ok(tx) => tx,
@@ -354,6 +361,98 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
             Outcome::Executed,
             Response::from_parts(head, Body::from(body)),
         )
+    }
+
+    /// External mode: reserve with a lease, run the handler with an [`External`] handle while
+    /// the lease is renewed, then complete, release or mark the outcome unknown.
+    async fn run_external<I>(
+        self,
+        inner: I,
+        mut req: Request<Body>,
+        mut claim: Claim,
+        lease_time: Duration,
+    ) -> Response
+    where
+        I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+        I::Future: Send + 'static,
+    {
+        let store = self.layer.store.clone();
+        let reserved =
+            reserve_waiting(&store, &mut claim, lease_time, self.config.in_flight).await;
+        let (token, expires_at) = match reserved {
+            Ok(ClaimOutcome::Owned { token, expires_at }) => (token, expires_at),
+            Ok(other) => return self.answer_existing(other),
+            Err(protocol::Error::Store(e)) => {
+                return self.finish(Outcome::StoreError, store_unavailable(&e));
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "reservation failed");
+                return self.finish(Outcome::StoreError, IdempotencyRejection::Internal);
+            }
+        };
+        let lease = Lease::new(store, claim.id.clone(), token, lease_time);
+        let renewal = keep_alive(lease.clone(), lease_time / 3);
+        let flags = Arc::new(Flags::default());
+        req.extensions_mut().insert(External {
+            lease: lease.clone(),
+            flags: flags.clone(),
+        });
+        let result = AssertUnwindSafe(call(inner, req)).catch_unwind().await;
+        drop(renewal);
+        let sent = flags.past_point_of_no_return.load(Ordering::SeqCst);
+        let unknown = flags.outcome_unknown.load(Ordering::SeqCst);
+        // Whatever the handler says, an effect that may have happened is never freed.
+        let give_up = |lease: Lease<S>| async move {
+            let write = if sent {
+                settle("marking the outcome unknown", || lease.clone().indeterminate()).await
+            } else {
+                settle("releasing the key", || lease.clone().release()).await
+            };
+            if let Err(e) = write {
+                tracing::warn!(error = %e, "could not settle the reservation; its lease will lapse");
+            }
+        };
+        let response = match result {
+            Ok(response) => response,
+            Err(_panic) => {
+                give_up(lease).await;
+                return self.finish(Outcome::NotStored, IdempotencyRejection::Internal);
+            }
+        };
+        if unknown {
+            give_up(lease).await;
+            return self.finish(Outcome::Indeterminate, response);
+        }
+        if !self.layer.policy.stores(response.status()) {
+            give_up(lease).await;
+            return self.finish(Outcome::NotStored, response);
+        }
+        let (mut head, body) = response.into_parts();
+        let limit = self.config.max_stored_response;
+        let Ok(body) = axum::body::to_bytes(body, limit).await else {
+            give_up(lease).await;
+            return self.finish(
+                Outcome::NotStored,
+                IdempotencyRejection::ResponseTooLarge { limit },
+            );
+        };
+        let stored = StoredResponse {
+            status: head.status.as_u16(),
+            headers: stored_headers(&head.headers, &self.config.stored_headers),
+            body: body.to_vec(),
+        };
+        match settle("storing the outcome", || lease.clone().complete(&stored)).await {
+            Ok(()) => {
+                add_expiry(&mut head.headers, expires_at);
+                self.finish(Outcome::Executed, Response::from_parts(head, Body::from(body)))
+            }
+            Err(e) => {
+                // A newer owner or an operator settled the record first, or the store is
+                // gone: this attempt's answer is still the truth for this attempt.
+                tracing::warn!(error = %e, "the outcome could not be stored");
+                self.finish(Outcome::NotStored, Response::from_parts(head, Body::from(body)))
+            }
+        }
     }
 
     fn answer_existing(&self, outcome: ClaimOutcome) -> Response {

@@ -18,8 +18,9 @@ use idemkey_core::{
     fingerprint,
 };
 use idemkey_tower::{
-    IdempotencyRejection, InFlightPolicy, KeyRequirement, Outcome, Tenant, add_expiry,
-    answer_claim, read_body, status_url, store_unavailable, stored_headers, strip_hop_by_hop,
+    IdempotencyRejection, KeyRequirement, Outcome, Tenant, add_expiry, answer_claim, keep_alive,
+    read_body, reserve_waiting, settle, status_url, store_unavailable, stored_headers,
+    strip_hop_by_hop,
 };
 use tokio::net::TcpStream;
 use tracing::Instrument;
@@ -27,12 +28,8 @@ use tracing::Instrument;
 use super::{Gateway, RouteRule};
 use crate::AppDb;
 
-/// How often a retry under `--in-flight wait` re-reads a record held by another attempt.
-const POLL: Duration = Duration::from_millis(50);
 /// `Retry-After` of 503 `upstream-unavailable` and of a lost lease.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
-/// Attempts of a write that records an outcome the upstream already produced.
-const SETTLE_ATTEMPTS: usize = 5;
 
 fn is_safe(method: &Method) -> bool {
     matches!(
@@ -164,54 +161,6 @@ async fn forward_plain<S: AppDb>(gw: &Gateway<S>, req: Request) -> Response {
     }
 }
 
-/// Aborts the lease renewal when the owner is done (or dropped).
-struct Renewal(tokio::task::JoinHandle<()>);
-
-impl Drop for Renewal {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-fn renew_in_background<S: AppDb>(lease: Lease<S>, every: Duration) -> Renewal {
-    Renewal(tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(every).await;
-            match lease.renew().await {
-                Ok(()) => {}
-                Err(protocol::Error::Fenced) => {
-                    tracing::warn!(key_id = %lease.id().key_id(), "lease lost to a newer owner");
-                    return;
-                }
-                Err(e) => tracing::warn!(error = %e, "lease renewal failed; will try again"),
-            }
-        }
-    }))
-}
-
-/// Retries a write that records what already happened, on store errors (a busy SQLite, a
-/// blip): giving up early would leave a known outcome to turn unknown.
-async fn settle<F, Fut>(what: &str, mut write: F) -> protocol::Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = protocol::Result<()>>,
-{
-    let mut pause = Duration::from_millis(50);
-    let mut last = None;
-    for _ in 0..SETTLE_ATTEMPTS {
-        match write().await {
-            Err(protocol::Error::Store(e)) => {
-                tracing::warn!(error = %e, "{what} failed; trying again");
-                last = Some(e);
-                tokio::time::sleep(pause).await;
-                pause *= 2;
-            }
-            other => return other,
-        }
-    }
-    Err(protocol::Error::Store(last.expect("at least one attempt")))
-}
-
 /// What came back from the upstream.
 enum Upstreamed {
     /// A complete answer.
@@ -314,34 +263,26 @@ async fn owned_flow<S: AppDb>(
     let lease_time = gw.options.lease;
 
     // The reservation; under `wait`, poll a record held by another attempt until it settles.
-    let (token, expires_at) = loop {
-        claim.now = Timestamp::now();
-        match protocol::reserve(&gw.store, &claim, lease_time).await {
-            Ok(ClaimOutcome::Owned { token, expires_at }) => break (token, expires_at),
-            Ok(ClaimOutcome::InFlight { .. })
-                if matches!(gw.options.in_flight, InFlightPolicy::Wait(bound)
-                    if started.elapsed() + POLL < bound) =>
-            {
-                tokio::time::sleep(POLL).await;
-            }
-            Ok(other) => {
-                let (outcome, response) = answer_claim(other, &key);
-                return finish(outcome, response);
-            }
-            Err(protocol::Error::Store(e)) => {
-                return finish(Outcome::StoreError, store_unavailable(&e));
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "reservation failed");
-                return finish(
-                    Outcome::StoreError,
-                    IdempotencyRejection::Internal.into_response(),
-                );
-            }
+    let reserved = reserve_waiting(&gw.store, &mut claim, lease_time, gw.options.in_flight).await;
+    let (token, expires_at) = match reserved {
+        Ok(ClaimOutcome::Owned { token, expires_at }) => (token, expires_at),
+        Ok(other) => {
+            let (outcome, response) = answer_claim(other, &key);
+            return finish(outcome, response);
+        }
+        Err(protocol::Error::Store(e)) => {
+            return finish(Outcome::StoreError, store_unavailable(&e));
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "reservation failed");
+            return finish(
+                Outcome::StoreError,
+                IdempotencyRejection::Internal.into_response(),
+            );
         }
     };
     let lease = Lease::new(gw.store.clone(), claim.id.clone(), token, lease_time);
-    let renewal = renew_in_background(lease.clone(), lease_time / 3);
+    let renewal = keep_alive(lease.clone(), lease_time / 3);
     if !gw.options.simulate_delay_before_forward.is_zero() {
         tokio::time::sleep(gw.options.simulate_delay_before_forward).await;
     }
