@@ -23,11 +23,11 @@ use tokio::sync::Mutex;
 use tower_service::Service;
 use tracing::Instrument;
 
+use crate::External;
+use crate::external::{Flags, keep_alive, reserve_waiting, settle};
 use crate::layer::{Config, STATUS_PATH};
 use crate::metrics::Outcome;
-use crate::external::{Flags, keep_alive, reserve_waiting, settle};
 use crate::tx::{Slot, TxSlot};
-use crate::External;
 use crate::{IdempotencyLayer, IdempotencyRejection, InFlightPolicy, StorePolicy, Tenant};
 
 /// The header added to replayed responses.
@@ -377,8 +377,7 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
         I::Future: Send + 'static,
     {
         let store = self.layer.store.clone();
-        let reserved =
-            reserve_waiting(&store, &mut claim, lease_time, self.config.in_flight).await;
+        let reserved = reserve_waiting(&store, &mut claim, lease_time, self.config.in_flight).await;
         let (token, expires_at) = match reserved {
             Ok(ClaimOutcome::Owned { token, expires_at }) => (token, expires_at),
             Ok(other) => return self.answer_existing(other),
@@ -404,7 +403,10 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
         // Whatever the handler says, an effect that may have happened is never freed.
         let give_up = |lease: Lease<S>| async move {
             let write = if sent {
-                settle("marking the outcome unknown", || lease.clone().indeterminate()).await
+                settle("marking the outcome unknown", || {
+                    lease.clone().indeterminate()
+                })
+                .await
             } else {
                 settle("releasing the key", || lease.clone().release()).await
             };
@@ -444,13 +446,19 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
         match settle("storing the outcome", || lease.clone().complete(&stored)).await {
             Ok(()) => {
                 add_expiry(&mut head.headers, expires_at);
-                self.finish(Outcome::Executed, Response::from_parts(head, Body::from(body)))
+                self.finish(
+                    Outcome::Executed,
+                    Response::from_parts(head, Body::from(body)),
+                )
             }
             Err(e) => {
                 // A newer owner or an operator settled the record first, or the store is
                 // gone: this attempt's answer is still the truth for this attempt.
                 tracing::warn!(error = %e, "the outcome could not be stored");
-                self.finish(Outcome::NotStored, Response::from_parts(head, Body::from(body)))
+                self.finish(
+                    Outcome::NotStored,
+                    Response::from_parts(head, Body::from(body)),
+                )
             }
         }
     }
