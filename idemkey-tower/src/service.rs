@@ -401,7 +401,11 @@ impl<S: Store, P: StorePolicy> Keyed<S, P> {
         let sent = flags.past_point_of_no_return.load(Ordering::SeqCst);
         let unknown = flags.outcome_unknown.load(Ordering::SeqCst);
         // Whatever the handler says, an effect that may have happened is never freed.
+        let metrics = self.config.metrics.clone();
         let give_up = |lease: Lease<S>| async move {
+            if sent {
+                metrics.marked_indeterminate();
+            }
             let write = if sent {
                 settle("marking the outcome unknown", || {
                     lease.clone().indeterminate()

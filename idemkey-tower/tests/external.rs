@@ -13,7 +13,7 @@ use axum::routing::post;
 use http::{Request, StatusCode};
 use idemkey_core::{KeyHasher, ListFilter, RecordState, Store};
 use idemkey_sqlite::SqliteStore;
-use idemkey_tower::{External, IdempotencyLayer, InFlightPolicy, REPLAYED_HEADER};
+use idemkey_tower::{External, IdempotencyLayer, InFlightPolicy, Metrics, REPLAYED_HEADER};
 use serde_json::Value;
 use tempfile::TempDir;
 use tower::ServiceExt;
@@ -48,19 +48,24 @@ async fn transfer(State(bank): State<Bank>, op: External<SqliteStore>, body: Byt
     }
 }
 
-async fn setup(lease: Duration, policy: InFlightPolicy) -> (TempDir, SqliteStore, Bank, Router) {
+async fn setup(
+    lease: Duration,
+    policy: InFlightPolicy,
+) -> (TempDir, SqliteStore, Bank, Router, Metrics) {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("t.db").display());
     let store = SqliteStore::connect(&url).await.unwrap();
     store.migrate().await.unwrap();
     let bank = Bank::default();
+    let metrics = Metrics::new();
     let layer = IdempotencyLayer::new(store.clone(), KeyHasher::new(b"secret"))
         .external(lease)
-        .in_flight(policy);
+        .in_flight(policy)
+        .metrics(metrics.clone());
     let app = Router::new()
         .route("/transfers", post(transfer).layer(layer))
         .with_state(bank.clone());
-    (dir, store, bank, app)
+    (dir, store, bank, app, metrics)
 }
 
 async fn send(app: &Router, key: &str, body: &str) -> (StatusCode, bool, String) {
@@ -92,7 +97,7 @@ const LEASE: Duration = Duration::from_secs(10);
 
 #[tokio::test]
 async fn completes_and_replays_without_calling_out_again() {
-    let (_dir, store, bank, app) = setup(LEASE, InFlightPolicy::default()).await;
+    let (_dir, store, bank, app, _metrics) = setup(LEASE, InFlightPolicy::default()).await;
     let first = send(&app, "t-1", "{}").await;
     assert_eq!((first.0, first.1), (StatusCode::CREATED, false));
     let again = send(&app, "t-1", "{}").await;
@@ -103,7 +108,7 @@ async fn completes_and_replays_without_calling_out_again() {
 
 #[tokio::test]
 async fn unknown_outcome_is_never_re_executed() {
-    let (_dir, store, bank, app) = setup(LEASE, InFlightPolicy::default()).await;
+    let (_dir, store, bank, app, metrics) = setup(LEASE, InFlightPolicy::default()).await;
     let body = r#"{"after":"unknown"}"#;
     assert_eq!(send(&app, "t-2", body).await.0, StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(states(&store).await, [RecordState::Indeterminate]);
@@ -121,7 +126,7 @@ async fn unknown_outcome_is_never_re_executed() {
 
 #[tokio::test]
 async fn failure_before_the_point_of_no_return_frees_the_key() {
-    let (_dir, store, bank, app) = setup(LEASE, InFlightPolicy::default()).await;
+    let (_dir, store, bank, app, _metrics) = setup(LEASE, InFlightPolicy::default()).await;
     let failed = send(&app, "t-3", r#"{"before":"fail"}"#).await;
     assert_eq!(failed.0, StatusCode::SERVICE_UNAVAILABLE);
     assert!(states(&store).await.is_empty(), "the key was released");
@@ -136,7 +141,7 @@ async fn failure_before_the_point_of_no_return_frees_the_key() {
 
 #[tokio::test]
 async fn failures_after_the_point_of_no_return_are_indeterminate() {
-    let (_dir, store, bank, app) = setup(LEASE, InFlightPolicy::default()).await;
+    let (_dir, store, bank, app, _metrics) = setup(LEASE, InFlightPolicy::default()).await;
     let panicked = send(&app, "t-4", r#"{"after":"panic"}"#).await;
     assert_eq!(panicked.0, StatusCode::INTERNAL_SERVER_ERROR);
     let failed = send(&app, "t-5", r#"{"after":"502"}"#).await;
@@ -161,7 +166,7 @@ async fn failures_after_the_point_of_no_return_are_indeterminate() {
 /// (which would make the operation indeterminate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lease_is_renewed_while_the_handler_works() {
-    let (_dir, store, bank, app) = setup(
+    let (_dir, store, bank, app, _metrics) = setup(
         Duration::from_millis(300),
         InFlightPolicy::Wait(Duration::from_secs(5)),
     )
@@ -182,7 +187,7 @@ async fn the_lease_is_renewed_while_the_handler_works() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reject_policy_answers_409_while_the_first_attempt_runs() {
-    let (_dir, _store, bank, app) = setup(LEASE, InFlightPolicy::Reject).await;
+    let (_dir, _store, bank, app, _metrics) = setup(LEASE, InFlightPolicy::Reject).await;
     let body = r#"{"sleep_ms":500}"#;
     let first = {
         let app = app.clone();
