@@ -122,6 +122,11 @@ async fn unknown_outcome_is_never_re_executed() {
         1,
         "never called out again"
     );
+    let text = metrics.render();
+    assert!(
+        text.contains("idemkey_marked_indeterminate_total 1\n"),
+        "{text}"
+    );
 }
 
 #[tokio::test]
