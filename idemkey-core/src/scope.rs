@@ -49,7 +49,12 @@ pub struct RecordId {
 impl RecordId {
     /// A short, log-safe identifier: the first 8 bytes of the key hash, in hex.
     pub fn key_id(&self) -> String {
-        hex::encode(&self.key_hash[..8])
+        Self::key_id_of(&self.key_hash)
+    }
+
+    /// The [`key_id`](Self::key_id) of a key hash.
+    pub fn key_id_of(key_hash: &[u8; 32]) -> String {
+        hex::encode(&key_hash[..8])
     }
 }
 

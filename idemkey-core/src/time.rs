@@ -41,6 +41,11 @@ impl Timestamp {
         )
     }
 
+    /// This time as a [`SystemTime`] (times before the epoch are clamped to it).
+    pub fn to_system_time(self) -> SystemTime {
+        UNIX_EPOCH + Duration::from_millis(self.0.max(0) as u64)
+    }
+
     /// The time from `self` until `later`, zero if `later` is not later.
     pub fn until(self, later: Timestamp) -> Duration {
         Duration::from_millis(later.0.saturating_sub(self.0).max(0) as u64)

@@ -33,9 +33,10 @@ impl PgStore {
     /// Connects to `url` (`postgres://…`) with a pool of `max_connections`, each connection
     /// with `lock_timeout` set to [`DEFAULT_LOCK_WAIT`](Self::DEFAULT_LOCK_WAIT).
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
-        let options = PgConnectOptions::from_str(url)
-            .map_err(error)?
-            .options([("lock_timeout", "5s")]);
+        let options = PgConnectOptions::from_str(url).map_err(error)?.options([(
+            "lock_timeout",
+            format!("{}ms", Self::DEFAULT_LOCK_WAIT.as_millis()),
+        )]);
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(5))

@@ -83,7 +83,7 @@ pub struct Phase {
     transport_errors: u64,
     replayed: u64,
     #[serde(skip)]
-    created_keys: Vec<(String, String)>,
+    created_keys: Vec<String>,
 }
 
 /// Effects read back after the run.
@@ -227,7 +227,7 @@ impl Load {
                     if (200..300).contains(status)
                         && let Some(key) = &plan[*i].key
                     {
-                        created_keys.push((key.clone(), plan[*i].body.clone()));
+                        created_keys.push(key.clone());
                     }
                 }
                 Err(()) => transport_errors += 1,
@@ -324,7 +324,7 @@ pub async fn bench(options: BenchOptions) -> anyhow::Result<Report> {
                 })
                 .collect();
             let warmed = load.phase("warm-up", seed).await?;
-            warm_keys = warmed.created_keys.into_iter().map(|(k, _)| k).collect();
+            warm_keys = warmed.created_keys;
             let mut rng = rand::thread_rng();
             let plan = (0..n)
                 .map(|i| {
@@ -348,7 +348,7 @@ pub async fn bench(options: BenchOptions) -> anyhow::Result<Report> {
         (Some(before), Some(after)) => {
             let mut keys: Vec<&String> = phases
                 .iter()
-                .flat_map(|p| p.created_keys.iter().map(|(k, _)| k))
+                .flat_map(|p| &p.created_keys)
                 .chain(&warm_keys)
                 .collect();
             keys.sort();

@@ -23,8 +23,7 @@ fn state(s: StateArg) -> RecordState {
 }
 
 fn time(t: Timestamp) -> String {
-    let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(t.as_millis().max(0) as u64);
-    humantime::format_rfc3339_seconds(at).to_string()
+    humantime::format_rfc3339_seconds(t.to_system_time()).to_string()
 }
 
 fn key(raw: &str) -> anyhow::Result<IdempotencyKey> {

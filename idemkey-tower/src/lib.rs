@@ -35,8 +35,8 @@ pub use self::metrics::{Metrics, Outcome, Reconciled};
 pub use self::policy::{DefaultStorePolicy, InFlightPolicy, KeyRequirement, StorePolicy};
 pub use self::problem::{IdempotencyRejection, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 pub use self::service::{
-    EXPIRES_HEADER, IdempotencyService, REPLAYED_HEADER, add_expiry, answer_claim, read_body,
-    replay, status_url, store_unavailable, stored_headers,
+    EXPIRES_HEADER, IdempotencyService, REPLAYED_HEADER, RETRY_AFTER, add_expiry, answer_claim,
+    is_safe, read_body, replay, status_url, store_unavailable, stored_headers,
 };
 pub use self::status::status_router;
 pub use self::tx::Tx;

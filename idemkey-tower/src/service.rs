@@ -5,7 +5,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::MatchedPath;
@@ -37,7 +37,7 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
 
 /// How long a client is asked to wait before retrying after a 409 or 503.
-const RETRY_AFTER: Duration = Duration::from_secs(1);
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// The [`Service`] built by [`IdempotencyLayer`].
 #[derive(Debug, Clone)]
@@ -70,7 +70,8 @@ where
     }
 }
 
-fn is_safe(method: &Method) -> bool {
+/// Whether `method` is safe (`GET`, `HEAD`, `OPTIONS`, `TRACE`): never keyed.
+pub fn is_safe(method: &Method) -> bool {
     matches!(
         *method,
         Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
@@ -595,8 +596,7 @@ pub fn replay(stored: StoredResponse, expires_at: Timestamp) -> Response {
 
 /// Adds `Idempotency-Key-Expires: <HTTP date>` to a keyed response.
 pub fn add_expiry(headers: &mut HeaderMap, expires_at: Timestamp) {
-    let at = UNIX_EPOCH + Duration::from_millis(expires_at.as_millis().max(0) as u64);
-    let at = at.max(SystemTime::UNIX_EPOCH);
+    let at = expires_at.to_system_time();
     if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(at)) {
         headers.insert(EXPIRES_HEADER, value);
     }

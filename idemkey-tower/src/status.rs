@@ -1,12 +1,12 @@
 //! The status resource: `GET /idempotency/v1/keys/{key}` answers the caller's own records.
 
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use idemkey_core::{IdempotencyKey, KeyHasher, Record, Store, Timestamp};
+use idemkey_core::{IdempotencyKey, KeyHasher, Record, RecordId, Store, Timestamp};
 use serde::Serialize;
 
 use crate::layer::STATUS_PATH;
@@ -37,8 +37,7 @@ struct KeyView {
 }
 
 pub(crate) fn rfc3339(t: Timestamp) -> String {
-    let at = UNIX_EPOCH + Duration::from_millis(t.as_millis().max(0) as u64);
-    humantime::format_rfc3339_millis(at).to_string()
+    humantime::format_rfc3339_millis(t.to_system_time()).to_string()
 }
 
 impl From<&Record> for RecordView {
@@ -99,10 +98,6 @@ async fn key_status<S: Store>(
     if records.is_empty() {
         return IdempotencyRejection::KeyNotFound.into_response();
     }
-    let key_id = hex_prefix(&key_hash);
+    let key_id = RecordId::key_id_of(&key_hash);
     Json(KeyView { key_id, records }).into_response()
-}
-
-fn hex_prefix(hash: &[u8; 32]) -> String {
-    hash[..8].iter().map(|b| format!("{b:02x}")).collect()
 }

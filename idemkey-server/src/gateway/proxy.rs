@@ -9,7 +9,7 @@ use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderValue, Method, header};
+use http::{HeaderValue, header};
 use http_body_util::{BodyExt, Limited};
 use hyper_util::rt::TokioIo;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease};
@@ -18,25 +18,15 @@ use idemkey_core::{
     fingerprint,
 };
 use idemkey_tower::{
-    IdempotencyRejection, KeyRequirement, Outcome, Tenant, add_expiry, answer_claim, keep_alive,
-    read_body, reserve_waiting, settle, status_url, store_unavailable, stored_headers,
-    strip_hop_by_hop,
+    IdempotencyRejection, KeyRequirement, Outcome, RETRY_AFTER, Tenant, add_expiry, answer_claim,
+    is_safe, keep_alive, read_body, reserve_waiting, settle, status_url, store_unavailable,
+    stored_headers, strip_hop_by_hop,
 };
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
 use super::{Gateway, RouteRule};
 use crate::AppDb;
-
-/// `Retry-After` of 503 `upstream-unavailable` and of a lost lease.
-const RETRY_AFTER: Duration = Duration::from_secs(1);
-
-fn is_safe(method: &Method) -> bool {
-    matches!(
-        *method,
-        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
-    )
-}
 
 /// Every request that is not the gateway's own.
 pub(super) async fn handle<S: AppDb>(State(gw): State<Gateway<S>>, req: Request) -> Response {
