@@ -1,7 +1,14 @@
-//! The decision function: what to do with a request, given the record the store holds.
+//! The two decisions: what to do with a request, given the record the store holds
+//! ([`decide`]), and what becomes of an external-mode record once its owner is done
+//! ([`after_effect`]).
 //!
-//! This is the only place that interprets a record. Stores fetch and write rows; the claim
-//! protocol ([`crate::protocol`]) calls [`decide`] and carries out its answer.
+//! This is the only place that interprets a record or an owner's result. Stores fetch and
+//! write rows; the claim protocol ([`crate::protocol`]), the layer and the gateway call these
+//! functions and carry out their answers.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
 
 use crate::{Fingerprint, Record, RecordState, StoredResponse, Timestamp};
 
@@ -29,7 +36,7 @@ pub enum Decision<'r> {
     OutcomeUnknown {
         /// `Some(token)` when the record is still `executing` with a lapsed lease and must
         /// first be marked `indeterminate` (only if it still carries `token`).
-        settle: Option<i64>,
+        mark_indeterminate: Option<i64>,
     },
 }
 
@@ -98,18 +105,255 @@ pub fn decide<'r>(
         RecordState::Completed => match &record.response {
             Some(response) => Decision::Replay(response),
             // A completed record without a response cannot be replayed honestly.
-            None => Decision::OutcomeUnknown { settle: None },
+            None => Decision::OutcomeUnknown {
+                mark_indeterminate: None,
+            },
         },
-        RecordState::Indeterminate => Decision::OutcomeUnknown { settle: None },
+        RecordState::Indeterminate => Decision::OutcomeUnknown {
+            mark_indeterminate: None,
+        },
         RecordState::Reserved if lease_lapsed => Decision::TakeOver {
             token: record.token,
         },
         RecordState::Executing if lease_lapsed => Decision::OutcomeUnknown {
-            settle: Some(record.token),
+            mark_indeterminate: Some(record.token),
         },
         RecordState::Reserved | RecordState::Executing => Decision::InFlight {
             lease_expires_at: record.lease_expires_at,
         },
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// After the effect.
+
+/// How far the owner of an external-mode reservation got before it stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// Nothing left for the other service: the owner failed before the point of no return
+    /// (a refused connection, a store error, a panic before calling out).
+    NotSent,
+    /// The handler answered without calling out (it never reached the point of no return).
+    AnsweredWithoutSending(u16),
+    /// The request left and no complete answer came back: a time-out, a reset, a panic after
+    /// the point of no return, or a handler that reported the outcome unknown.
+    Unanswered,
+    /// The request left and this answer came back.
+    Answered(u16),
+}
+
+/// What becomes of the record once its owner is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AfterEffect {
+    /// Store the answer; every retry replays it.
+    Complete,
+    /// Free the key (delete the record): nothing was done, a retry runs afresh.
+    Release,
+    /// The effect may have happened: the record turns `indeterminate`, never re-executed on
+    /// its own; a reconciler or an operator resolves it.
+    Indeterminate,
+}
+
+impl AfterEffect {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Complete => "store",
+            Self::Release => "release",
+            Self::Indeterminate => "indeterminate",
+        }
+    }
+}
+
+impl fmt::Display for AfterEffect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for AfterEffect {
+    type Err = AnswerRuleError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "store" | "complete" => Ok(Self::Complete),
+            "release" => Ok(Self::Release),
+            "indeterminate" | "unknown" => Ok(Self::Indeterminate),
+            other => Err(AnswerRuleError(format!(
+                "unknown action {other:?}: expected store, release or indeterminate"
+            ))),
+        }
+    }
+}
+
+/// Which answers a route stores, which say that nothing was done (release), and which leave
+/// the outcome unknown (indeterminate). A route's owner reads it with `Display` and changes
+/// it per status or per class.
+///
+/// The default:
+///
+/// | answer | after the request left | in one local transaction |
+/// |---|---|---|
+/// | 400 401 403 405 406 408 411 413 414 415 422 429: the request was refused before any effect | release | roll back |
+/// | 5xx: the server failed, perhaps half-way | indeterminate | roll back |
+/// | every other status: an outcome (a success, a decline, a business 409, a 404) | store | store and commit |
+///
+/// ```
+/// use idemkey_core::{AfterEffect, AnswerRule};
+///
+/// // An upstream whose 503 guarantees that nothing was done, and whose 500 is an outcome.
+/// let rule: AnswerRule = "503=release 500=store".parse().unwrap();
+/// assert_eq!(rule.classify(503), AfterEffect::Release);
+/// assert_eq!(rule.classify(500), AfterEffect::Complete);
+/// assert_eq!(rule.classify(502), AfterEffect::Indeterminate);
+/// assert_eq!(rule.classify(422), AfterEffect::Release);
+/// assert_eq!(rule.classify(201), AfterEffect::Complete);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AnswerRule {
+    /// Per-class overrides, indexed by the status's first digit (1–5).
+    by_class: [Option<AfterEffect>; 6],
+    /// Per-status overrides; they beat the class ones.
+    by_status: BTreeMap<u16, AfterEffect>,
+}
+
+/// The statuses that say the request was refused before any effect could happen.
+pub const REFUSALS: [u16; 12] = [400, 401, 403, 405, 406, 408, 411, 413, 414, 415, 422, 429];
+
+impl AnswerRule {
+    /// The default rule (see the type's documentation).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// What an answer with `status` means under this rule.
+    pub fn classify(&self, status: u16) -> AfterEffect {
+        if let Some(effect) = self.by_status.get(&status) {
+            return *effect;
+        }
+        if let Some(effect) = self.by_class[usize::from(status / 100).min(5)] {
+            return effect;
+        }
+        if status >= 500 {
+            AfterEffect::Indeterminate
+        } else if REFUSALS.contains(&status) {
+            AfterEffect::Release
+        } else {
+            AfterEffect::Complete
+        }
+    }
+
+    /// `status` means `effect`, whatever its class says.
+    pub fn status(mut self, status: u16, effect: AfterEffect) -> Self {
+        self.by_status.insert(status, effect);
+        self
+    }
+
+    /// Every status of `class` (1–5: `5` for 5xx) means `effect`, unless a per-status entry
+    /// says otherwise.
+    pub fn class(mut self, class: u8, effect: AfterEffect) -> Self {
+        if let Some(slot) = self
+            .by_class
+            .get_mut(usize::from(class))
+            .filter(|_| class >= 1)
+        {
+            *slot = Some(effect);
+        }
+        self
+    }
+}
+
+impl fmt::Display for AnswerRule {
+    /// The rule as a route's owner reads it, e.g.
+    /// `store; release 400 401 403 405 406 408 411 413 414 415 422 429; indeterminate 5xx; 503=release`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("store; release")?;
+        for s in REFUSALS {
+            write!(f, " {s}")?;
+        }
+        f.write_str("; indeterminate 5xx")?;
+        for (class, effect) in self.by_class.iter().enumerate() {
+            if let Some(effect) = effect {
+                write!(f, "; {class}xx={effect}")?;
+            }
+        }
+        for (status, effect) in &self.by_status {
+            write!(f, "; {status}={effect}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A malformed [`AnswerRule`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct AnswerRuleError(String);
+
+impl FromStr for AnswerRule {
+    type Err = AnswerRuleError;
+
+    /// Overrides of the default rule, separated by spaces, commas or semicolons:
+    /// `STATUS=ACTION` or `Nxx=ACTION`, ACTION one of `store`, `release`, `indeterminate`.
+    /// An empty string is the default rule.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut rule = Self::default();
+        for item in s
+            .split(|c: char| c == ',' || c == ';' || c.is_whitespace())
+            .filter(|t| !t.is_empty())
+        {
+            let (status, action) = item.split_once('=').ok_or_else(|| {
+                AnswerRuleError(format!(
+                    "{item:?}: expected STATUS=ACTION, e.g. 503=release or 5xx=store"
+                ))
+            })?;
+            let effect: AfterEffect = action
+                .parse()
+                .map_err(|e: AnswerRuleError| AnswerRuleError(format!("{item:?}: {}", e.0)))?;
+            let status = status.trim().to_ascii_lowercase();
+            let bad = || {
+                AnswerRuleError(format!(
+                    "{item:?}: the status must be 100-599 or a class 1xx-5xx"
+                ))
+            };
+            if let Some(digit) = status.strip_suffix("xx") {
+                let class: u8 = digit.parse().map_err(|_| bad())?;
+                if !(1..=5).contains(&class) {
+                    return Err(bad());
+                }
+                rule = rule.class(class, effect);
+            } else {
+                let code: u16 = status.parse().map_err(|_| bad())?;
+                if !(100..=599).contains(&code) {
+                    return Err(bad());
+                }
+                rule = rule.status(code, effect);
+            }
+        }
+        Ok(rule)
+    }
+}
+
+/// What becomes of an external-mode record once its owner is done: the one rule for the
+/// layer's external mode and for `idemkey gateway`.
+///
+/// | progress | decision |
+/// |---|---|
+/// | nothing sent | release |
+/// | answered without sending, `rule` says store | complete |
+/// | answered without sending, otherwise | release (nothing was sent, so nothing is unknown) |
+/// | sent, no complete answer | indeterminate |
+/// | sent, answered | what `rule` says of the status |
+///
+/// Once the request has left, a failure is never released unless the rule says that this
+/// answer means nothing was done.
+pub fn after_effect(progress: Progress, rule: &AnswerRule) -> AfterEffect {
+    match progress {
+        Progress::NotSent => AfterEffect::Release,
+        Progress::AnsweredWithoutSending(status) => match rule.classify(status) {
+            AfterEffect::Complete => AfterEffect::Complete,
+            AfterEffect::Release | AfterEffect::Indeterminate => AfterEffect::Release,
+        },
+        Progress::Unanswered => AfterEffect::Indeterminate,
+        Progress::Answered(status) => rule.classify(status),
     }
 }
 
@@ -224,7 +468,9 @@ mod tests {
         let r = record(RecordState::Executing, Some(400));
         assert_eq!(
             decide(Some(&r), &fp(1), NOW),
-            Decision::OutcomeUnknown { settle: Some(7) }
+            Decision::OutcomeUnknown {
+                mark_indeterminate: Some(7)
+            }
         );
     }
 
@@ -233,7 +479,92 @@ mod tests {
         let r = record(RecordState::Indeterminate, None);
         assert_eq!(
             decide(Some(&r), &fp(1), Timestamp(999)),
-            Decision::OutcomeUnknown { settle: None }
+            Decision::OutcomeUnknown {
+                mark_indeterminate: None,
+            }
         );
+    }
+
+    /// Every row of the after-effect table, under the default rule.
+    #[test]
+    fn after_effect_table_default_rule() {
+        use AfterEffect::{Complete, Indeterminate, Release};
+        let rule = AnswerRule::default();
+        let rows = [
+            (Progress::NotSent, Release),
+            (Progress::AnsweredWithoutSending(201), Complete),
+            (Progress::AnsweredWithoutSending(402), Complete),
+            (Progress::AnsweredWithoutSending(400), Release),
+            (Progress::AnsweredWithoutSending(503), Release),
+            (Progress::Unanswered, Indeterminate),
+            (Progress::Answered(200), Complete),
+            (Progress::Answered(201), Complete),
+            (Progress::Answered(302), Complete),
+            (Progress::Answered(402), Complete),
+            (Progress::Answered(404), Complete),
+            (Progress::Answered(409), Complete),
+            (Progress::Answered(500), Indeterminate),
+            (Progress::Answered(502), Indeterminate),
+            (Progress::Answered(503), Indeterminate),
+            (Progress::Answered(504), Indeterminate),
+        ];
+        for (progress, expected) in rows {
+            assert_eq!(after_effect(progress, &rule), expected, "{progress:?}");
+        }
+        for status in REFUSALS {
+            assert_eq!(after_effect(Progress::Answered(status), &rule), Release);
+        }
+    }
+
+    #[test]
+    fn a_route_changes_the_rule_per_status_and_class() {
+        let rule: AnswerRule = "503=release, 5xx=store; 404=indeterminate".parse().unwrap();
+        assert_eq!(rule.classify(503), AfterEffect::Release);
+        assert_eq!(rule.classify(500), AfterEffect::Complete);
+        assert_eq!(rule.classify(404), AfterEffect::Indeterminate);
+        assert_eq!(rule.classify(400), AfterEffect::Release);
+        assert_eq!(
+            after_effect(Progress::Answered(502), &rule),
+            AfterEffect::Complete
+        );
+        // Nothing sent: whatever the rule, nothing can be unknown.
+        assert_eq!(
+            after_effect(Progress::AnsweredWithoutSending(404), &rule),
+            AfterEffect::Release
+        );
+        assert_eq!(
+            after_effect(Progress::Unanswered, &rule),
+            AfterEffect::Indeterminate
+        );
+    }
+
+    #[test]
+    fn the_rule_reads_back() {
+        let rule: AnswerRule = "5xx=store 503=release".parse().unwrap();
+        assert_eq!(
+            rule.to_string(),
+            "store; release 400 401 403 405 406 408 411 413 414 415 422 429; \
+             indeterminate 5xx; 5xx=store; 503=release"
+        );
+        assert_eq!(rule.to_string().split("; ").count(), 5);
+        assert_eq!("".parse::<AnswerRule>().unwrap(), AnswerRule::default());
+    }
+
+    #[test]
+    fn malformed_rules_are_refused_readably() {
+        for bad in [
+            "503",
+            "503=maybe",
+            "6xx=store",
+            "0xx=store",
+            "99=store",
+            "abc=store",
+        ] {
+            let e = bad.parse::<AnswerRule>().unwrap_err();
+            assert!(
+                e.to_string().contains(bad.split('=').next().unwrap()),
+                "{bad}: {e}"
+            );
+        }
     }
 }

@@ -10,8 +10,12 @@
 //! - [`Record`], [`RecordState`], [`StoredResponse`]: what is stored;
 //! - [`decide`]: the one pure function that says execute / replay / mismatch / in-flight /
 //!   outcome-unknown;
+//! - [`after_effect`] and [`AnswerRule`]: the one pure function that says what becomes of an
+//!   external-mode record once its owner is done (complete / release / indeterminate);
 //! - [`Store`]: the SQL primitives a backend provides;
 //! - [`protocol`]: the claim protocol on top of them, written once for every store.
+//!
+//! - [`Clock`]: where the current time comes from.
 //!
 //! No I/O happens here; the stores (`idemkey-sqlite`, `idemkey-postgres`) speak SQL.
 
@@ -26,7 +30,10 @@ mod sqlx_row;
 mod store;
 mod time;
 
-pub use self::decision::{Decision, Mismatch, decide};
+pub use self::decision::{
+    AfterEffect, AnswerRule, AnswerRuleError, Decision, Mismatch, Progress, REFUSALS, after_effect,
+    decide,
+};
 pub use self::fingerprint::*;
 pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse};
@@ -34,4 +41,4 @@ pub use self::scope::{KeyHasher, RecordId, Scope};
 #[cfg(feature = "sqlx")]
 pub use self::sqlx_row::{AuditRow, RecordRow, classify_error};
 pub use self::store::{BoxError, ListFilter, Store, StoreError};
-pub use self::time::Timestamp;
+pub use self::time::{Clock, SystemClock, Timestamp};

@@ -9,15 +9,18 @@
 //! **External mode** ([`reserve`] and [`Lease`]): the claim commits at once with a lease and
 //! a fencing token; every later write carries the token and is refused when it is stale.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{
-    AuditEntry, Decision, Fingerprint, Mismatch, NewRecord, Record, RecordId, RecordState, Store,
-    StoreError, StoredResponse, Timestamp, decide,
+    AuditEntry, Clock, Decision, Fingerprint, Mismatch, NewRecord, Record, RecordId, RecordState,
+    Store, StoreError, StoredResponse, SystemClock, Timestamp, decide,
 };
 
-/// How often the claim re-reads a record that changed under it before it gives up and
-/// answers "in flight". Each round needs another writer to win a race, so two is plenty.
+/// How many times the claim inserts again after the record it lost to vanished (released,
+/// evicted or purged between the insert and the read) or was replaced by another taker,
+/// before it gives up and answers "in flight". Each extra round needs another writer to win
+/// yet another race in that short window.
 const MAX_ROUNDS: usize = 4;
 
 /// Protocol errors.
@@ -183,10 +186,10 @@ async fn claim_on<S: Store>(
             }
             Decision::Mismatch(m) => return Ok(ClaimOutcome::Mismatch(m)),
             Decision::InFlight { lease_expires_at } => return Ok(in_flight(lease_expires_at)),
-            Decision::OutcomeUnknown { settle } => {
-                if let Some(token) = settle {
+            Decision::OutcomeUnknown { mark_indeterminate } => {
+                if let Some(token) = mark_indeterminate {
                     // Persist what the decision found, so operators and metrics see it. If
-                    // the token moved, someone else settled it first: same answer.
+                    // the token moved, someone else marked or resolved it first: same answer.
                     store
                         .mark_indeterminate(conn, &record.id, token, claim.now)
                         .await?;
@@ -210,6 +213,7 @@ pub struct Lease<S> {
     id: RecordId,
     token: i64,
     duration: Duration,
+    clock: Arc<dyn Clock>,
 }
 
 impl<S: Store> Lease<S> {
@@ -220,7 +224,14 @@ impl<S: Store> Lease<S> {
             id,
             token,
             duration,
+            clock: Arc::new(SystemClock),
         }
+    }
+
+    /// Reads the time from `clock` instead of the system clock.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// The fencing token.
@@ -235,7 +246,7 @@ impl<S: Store> Lease<S> {
 
     /// Extends the lease by its duration from now.
     pub async fn renew(&self) -> Result<()> {
-        let now = Timestamp::now();
+        let now = self.clock.now();
         let mut conn = self.store.acquire().await?;
         let ok = self
             .store
@@ -253,7 +264,7 @@ impl<S: Store> Lease<S> {
     /// Marks the point of no return, just before the request leaves for the other service.
     /// From here on, an owner that vanishes leaves the operation indeterminate.
     pub async fn point_of_no_return(&self) -> Result<()> {
-        let now = Timestamp::now();
+        let now = self.clock.now();
         let mut conn = self.store.acquire().await?;
         let ok = self
             .store
@@ -269,28 +280,28 @@ impl<S: Store> Lease<S> {
     }
 
     /// Stores the outcome.
-    pub async fn complete(self, response: &StoredResponse) -> Result<()> {
+    pub async fn complete(&self, response: &StoredResponse) -> Result<()> {
         let mut conn = self.store.acquire().await?;
         let ok = self
             .store
-            .complete(&mut conn, &self.id, self.token, response, Timestamp::now())
+            .complete(&mut conn, &self.id, self.token, response, self.clock.now())
             .await?;
         fenced_unless(ok)
     }
 
     /// Frees the key: nothing was sent, a retry may execute.
-    pub async fn release(self) -> Result<()> {
+    pub async fn release(&self) -> Result<()> {
         let mut conn = self.store.acquire().await?;
         let ok = self.store.release(&mut conn, &self.id, self.token).await?;
         fenced_unless(ok)
     }
 
     /// Marks the outcome unknown (a time-out or reset after the request was sent).
-    pub async fn indeterminate(self) -> Result<()> {
+    pub async fn mark_indeterminate(&self) -> Result<()> {
         let mut conn = self.store.acquire().await?;
         let ok = self
             .store
-            .mark_indeterminate(&mut conn, &self.id, self.token, Timestamp::now())
+            .mark_indeterminate(&mut conn, &self.id, self.token, self.clock.now())
             .await?;
         fenced_unless(ok)
     }
@@ -300,7 +311,7 @@ fn fenced_unless(ok: bool) -> Result<()> {
     if ok { Ok(()) } else { Err(Error::Fenced) }
 }
 
-/// How an operator settles an indeterminate record.
+/// How an operator or a reconciler resolves a record whose outcome is unknown.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resolution {
     /// The effect happened: store this outcome; retries replay it.
@@ -309,12 +320,12 @@ pub enum Resolution {
     Released,
 }
 
-/// Operator or reconciler: settles a record whose outcome is unknown (indeterminate, or
+/// Operator or reconciler: resolves a record whose outcome is unknown (indeterminate, or
 /// past the point of no return with a lapsed lease). Raises the fencing token, so a stale
 /// owner cannot overwrite the answer, and appends an entry to the audit trail (`actor`,
 /// the action, the stored status and `note`) in the same transaction.
 ///
-/// Returns the record as it was before it was settled.
+/// Returns the record as it was before it was resolved.
 pub async fn resolve<S: Store>(
     store: &S,
     id: &RecordId,

@@ -156,7 +156,7 @@ pub struct NewRecord {
     pub sealed_key: Option<Vec<u8>>,
 }
 
-/// One entry of a record's audit trail: who settled an operation, when, and how.
+/// One entry of a record's audit trail: who resolved an operation, when, and how.
 ///
 /// Entries are kept by identity, not by row, so they outlive a released record.
 #[derive(Debug, Clone, PartialEq, Eq)]

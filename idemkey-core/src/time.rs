@@ -51,3 +51,20 @@ impl Timestamp {
         Duration::from_millis(later.0.saturating_sub(self.0).max(0) as u64)
     }
 }
+
+/// Where the current time comes from: the system clock in production, a clock a test moves
+/// by hand in tests (expiry, leases and `Retry-After` without sleeping).
+pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
+    /// The current time.
+    fn now(&self) -> Timestamp;
+}
+
+/// The system clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Timestamp {
+        Timestamp::now()
+    }
+}

@@ -572,7 +572,7 @@ pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
         .point_of_no_return()
         .await
         .expect("point of no return");
-    owner.indeterminate().await.expect("indeterminate");
+    owner.mark_indeterminate().await.expect("indeterminate");
     let outcome = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
         .await
         .expect("reserve");
@@ -642,7 +642,7 @@ pub async fn resolutions_are_audited_and_sealed_keys_kept<H: Harness>(h: H) {
         .point_of_no_return()
         .await
         .expect("point of no return");
-    owner.indeterminate().await.expect("indeterminate");
+    owner.mark_indeterminate().await.expect("indeterminate");
     protocol::resolve(
         &store,
         &id,
