@@ -130,14 +130,13 @@ pub fn decide<'r>(
 /// How far the owner of an external-mode reservation got before it stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Progress {
-    /// Nothing left for the other service: the owner failed before the point of no return
-    /// (a refused connection, a store error, a panic before calling out).
+    /// Nothing left for the other service: the owner stopped before the point of no return,
+    /// whatever it answered (a refused connection, a store error, a validation error, a
+    /// panic before calling out).
     NotSent,
-    /// The handler answered without calling out (it never reached the point of no return).
-    AnsweredWithoutSending(u16),
     /// The request left and no complete answer came back: a time-out, a reset, a panic after
     /// the point of no return, or a handler that reported the outcome unknown.
-    Unanswered,
+    SentNoAnswer,
     /// The request left and this answer came back.
     Answered(u16),
 }
@@ -335,24 +334,19 @@ impl FromStr for AnswerRule {
 /// What becomes of an external-mode record once its owner is done: the one rule for the
 /// layer's external mode and for `idemkey gateway`.
 ///
-/// | progress | decision |
+/// | what was sent | decision |
 /// |---|---|
-/// | nothing sent | release |
-/// | answered without sending, `rule` says store | complete |
-/// | answered without sending, otherwise | release (nothing was sent, so nothing is unknown) |
-/// | sent, no complete answer | indeterminate |
-/// | sent, answered | what `rule` says of the status |
+/// | nothing (stopped before the point of no return, whatever it answered) | release |
+/// | the request left, no complete answer came back | indeterminate |
+/// | the request left, an answer came back | what `rule` says of its status |
 ///
-/// Once the request has left, a failure is never released unless the rule says that this
-/// answer means nothing was done.
+/// Before the point of no return nothing can have happened elsewhere, so a retry may run
+/// again. Once the request has left, a failure is never released unless the rule says that
+/// this answer means nothing was done.
 pub fn after_effect(progress: Progress, rule: &AnswerRule) -> AfterEffect {
     match progress {
         Progress::NotSent => AfterEffect::Release,
-        Progress::AnsweredWithoutSending(status) => match rule.classify(status) {
-            AfterEffect::Complete => AfterEffect::Complete,
-            AfterEffect::Release | AfterEffect::Indeterminate => AfterEffect::Release,
-        },
-        Progress::Unanswered => AfterEffect::Indeterminate,
+        Progress::SentNoAnswer => AfterEffect::Indeterminate,
         Progress::Answered(status) => rule.classify(status),
     }
 }
@@ -492,11 +486,7 @@ mod tests {
         let rule = AnswerRule::default();
         let rows = [
             (Progress::NotSent, Release),
-            (Progress::AnsweredWithoutSending(201), Complete),
-            (Progress::AnsweredWithoutSending(402), Complete),
-            (Progress::AnsweredWithoutSending(400), Release),
-            (Progress::AnsweredWithoutSending(503), Release),
-            (Progress::Unanswered, Indeterminate),
+            (Progress::SentNoAnswer, Indeterminate),
             (Progress::Answered(200), Complete),
             (Progress::Answered(201), Complete),
             (Progress::Answered(302), Complete),
@@ -527,13 +517,10 @@ mod tests {
             after_effect(Progress::Answered(502), &rule),
             AfterEffect::Complete
         );
-        // Nothing sent: whatever the rule, nothing can be unknown.
+        // The rule speaks of answers only.
+        assert_eq!(after_effect(Progress::NotSent, &rule), AfterEffect::Release);
         assert_eq!(
-            after_effect(Progress::AnsweredWithoutSending(404), &rule),
-            AfterEffect::Release
-        );
-        assert_eq!(
-            after_effect(Progress::Unanswered, &rule),
+            after_effect(Progress::SentNoAnswer, &rule),
             AfterEffect::Indeterminate
         );
     }

@@ -239,6 +239,11 @@ impl<S: Store> Lease<S> {
         self.token
     }
 
+    /// How long the lease lasts from each renewal.
+    pub fn duration(&self) -> Duration {
+        self.duration
+    }
+
     /// The record identity.
     pub fn id(&self) -> &RecordId {
         &self.id

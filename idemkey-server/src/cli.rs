@@ -211,13 +211,23 @@ pub struct GatewayArgs {
     /// Connections in the pool (PostgreSQL).
     #[arg(long, default_value_t = 32)]
     pub max_connections: u32,
-    /// A route that requires an Idempotency-Key: "METHOD PATH", PATH may end in `*` (a
-    /// prefix), METHOD may be `*` (repeatable; default when no route is given: "POST *").
-    #[arg(long = "route", value_name = "METHOD PATH")]
+    /// A route that requires an Idempotency-Key: "METHOD PATH [STATUS=ACTION ...]", PATH may
+    /// end in `*` (a prefix), METHOD may be `*`, then the route's own changes to --answers
+    /// (repeatable; default when no route is given: "POST *").
+    #[arg(long = "route", value_name = "METHOD PATH [STATUS=ACTION ...]")]
     pub routes: Vec<String>,
     /// A route where the key is optional (requests without one are forwarded unprotected).
-    #[arg(long = "optional-route", value_name = "METHOD PATH")]
+    #[arg(
+        long = "optional-route",
+        value_name = "METHOD PATH [STATUS=ACTION ...]"
+    )]
     pub optional_routes: Vec<String>,
+    /// What an upstream answer means once the request has left, for every route:
+    /// STATUS=ACTION or Nxx=ACTION with ACTION store, release or indeterminate. The default
+    /// stores every answer but refusals (400 401 403 405 406 408 411 413 414 415 422 429:
+    /// release) and 5xx (indeterminate). E.g. "503=release 500=store".
+    #[arg(long, value_name = "STATUS=ACTION ...", default_value = "")]
+    pub answers: String,
     /// What a retry gets while the first attempt is running.
     #[arg(long, value_enum, default_value_t = InFlight::Wait)]
     pub in_flight: InFlight,
@@ -239,9 +249,6 @@ pub struct GatewayArgs {
     /// Largest upstream answer that is stored (a larger one leaves the outcome unknown).
     #[arg(long, default_value = "1MiB", value_parser = parse_size)]
     pub max_stored_response: usize,
-    /// Store upstream 5xx answers (default: a 5xx releases the key and is passed through).
-    #[arg(long)]
-    pub store_5xx: bool,
     /// How long outcomes are kept and replayed (e.g. 24h, 90m).
     #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
     pub retention: Duration,

@@ -269,7 +269,7 @@ pub async fn run<S: AppDb>(
                     anyhow::bail!("cannot resolve {} ({}): {e}", id.key_id(), id.route)
                 }
                 Err(protocol::Error::Fenced) => anyhow::bail!(
-                    "the record changed while it was being resolved (its owner or the reconciler settled it); look again with `idemkey keys show`"
+                    "the record changed while it was being resolved (its owner or the reconciler resolved it); look again with `idemkey keys show`"
                 ),
                 Err(e) => return Err(e.into()),
             }

@@ -139,10 +139,16 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
         args.routes.iter().map(String::as_str).collect()
     };
     for spec in required {
-        routes.push(RouteRule::parse(spec, KeyRequirement::Required).map_err(anyhow::Error::msg)?);
+        routes.push(
+            RouteRule::parse(spec, KeyRequirement::Required, &args.answers)
+                .map_err(anyhow::Error::msg)?,
+        );
     }
     for spec in &args.optional_routes {
-        routes.push(RouteRule::parse(spec, KeyRequirement::Optional).map_err(anyhow::Error::msg)?);
+        routes.push(
+            RouteRule::parse(spec, KeyRequirement::Optional, &args.answers)
+                .map_err(anyhow::Error::msg)?,
+        );
     }
     if let Some(template) = &args.reconcile_url
         && !template.contains("{key}")
@@ -167,7 +173,6 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
         upstream_timeout: args.upstream_timeout,
         max_request_body: args.max_request_body,
         max_stored_response: args.max_stored_response,
-        store_5xx: args.store_5xx,
         retention: args.retention,
         api_keys: args.all_api_keys().map_err(anyhow::Error::msg)?,
         key_secret: args.key_secret.clone(),

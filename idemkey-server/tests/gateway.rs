@@ -744,7 +744,7 @@ async fn killed_after_forwarding_is_unknown_until_reconciled() {
     assert_eq!(
         reconciling
             .client()
-            .metric("idemkey_reconciled_total{result=\"settled_completed\"}")
+            .metric("idemkey_reconciled_total{result=\"resolved_completed\"}")
             .await,
         1
     );

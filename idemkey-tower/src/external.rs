@@ -1,108 +1,38 @@
-//! External mode: for effects the store cannot share a transaction with (a call to a bank,
-//! another service). The claim commits at once as a reservation with a lease; the handler
-//! marks the point of no return just before it calls out; the layer completes the record
-//! with the fencing token, or leaves it indeterminate when the outcome cannot be known.
+//! The handler's side of external mode: the [`External`] extractor.
 //!
-//! The reservation wait, the lease renewal and the retried settling writes here are shared
-//! with `idemkey gateway`.
+//! For effects the store cannot share a transaction with (a call to a bank, another
+//! service), the claim commits at once as a reservation with a lease; the handler marks the
+//! point of no return just before it calls out; the layer then completes the record, frees
+//! the key, or leaves the operation indeterminate, as [`after_effect`](idemkey_core::after_effect)
+//! decides. The owner flow itself is in `service/external.rs`.
 
-use std::future::Future;
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
 
-use axum::extract::FromRequestParts;
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use http::request::Parts;
 use idemkey_core::Store;
-use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease};
+use idemkey_core::protocol::{self, Lease};
 
-use crate::{IdempotencyRejection, InFlightPolicy};
-
-/// How often a waiting attempt looks at a reservation held by another attempt.
-const POLL: Duration = Duration::from_millis(50);
-
-/// How many times a write that records what already happened is tried.
-const SETTLE_ATTEMPTS: usize = 5;
-
-/// Reserves `claim` with a lease. Under [`InFlightPolicy::Wait`], a reservation held by
-/// another attempt is polled until it settles or the bound passes; then the last answer
-/// stands (`InFlight`).
-pub async fn reserve_waiting<S: Store>(
-    store: &S,
-    claim: &mut Claim,
-    lease: Duration,
-    policy: InFlightPolicy,
-) -> protocol::Result<ClaimOutcome> {
-    let started = Instant::now();
-    loop {
-        claim.now = idemkey_core::Timestamp::now();
-        let outcome = protocol::reserve(store, claim, lease).await?;
-        match (&outcome, policy) {
-            (ClaimOutcome::InFlight { .. }, InFlightPolicy::Wait(bound))
-                if started.elapsed() + POLL < bound =>
-            {
-                tokio::time::sleep(POLL).await;
-            }
-            _ => return Ok(outcome),
-        }
-    }
-}
-
-/// Keeps a lease alive while its owner works; renewal stops when this is dropped.
-#[derive(Debug)]
-pub struct Renewal(tokio::task::JoinHandle<()>);
-
-impl Drop for Renewal {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Renews `lease` every `every` until the returned [`Renewal`] is dropped, or until a newer
-/// owner took the record over.
-pub fn keep_alive<S: Store>(lease: Lease<S>, every: Duration) -> Renewal {
-    Renewal(tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(every).await;
-            match lease.renew().await {
-                Ok(()) => {}
-                Err(protocol::Error::Fenced) => {
-                    tracing::warn!(key_id = %lease.id().key_id(), "lease lost to a newer owner");
-                    return;
-                }
-                Err(e) => tracing::warn!(error = %e, "lease renewal failed; will try again"),
-            }
-        }
-    }))
-}
-
-/// Retries a write that records what already happened, on store errors (a busy SQLite, a
-/// blip): giving up early would turn a known outcome into an unknown one.
-pub async fn settle<F, Fut>(what: &str, mut write: F) -> protocol::Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = protocol::Result<()>>,
-{
-    let mut pause = Duration::from_millis(50);
-    let mut last = None;
-    for _ in 0..SETTLE_ATTEMPTS {
-        match write().await {
-            Err(protocol::Error::Store(e)) => {
-                tracing::warn!(error = %e, "{what} failed; trying again");
-                last = Some(e);
-                tokio::time::sleep(pause).await;
-                pause *= 2;
-            }
-            other => return other,
-        }
-    }
-    Err(protocol::Error::Store(last.expect("at least one attempt")))
-}
+use crate::{IdempotencyRejection, RETRY_AFTER};
 
 #[derive(Debug, Default)]
 pub(crate) struct Flags {
-    pub(crate) past_point_of_no_return: AtomicBool,
-    pub(crate) outcome_unknown: AtomicBool,
+    past_point_of_no_return: AtomicBool,
+    outcome_unknown: AtomicBool,
+}
+
+impl Flags {
+    /// Whether the request may have left (the point of no return was marked).
+    pub(crate) fn sent(&self) -> bool {
+        self.past_point_of_no_return.load(Ordering::SeqCst)
+    }
+
+    /// Whether the handler reported that it cannot know the outcome.
+    pub(crate) fn unknown(&self) -> bool {
+        self.outcome_unknown.load(Ordering::SeqCst)
+    }
 }
 
 /// The handler's side of an external-mode claim (a route built with
@@ -110,10 +40,19 @@ pub(crate) struct Flags {
 ///
 /// Call [`point_of_no_return`](Self::point_of_no_return) just before the request leaves for
 /// the other service, and [`outcome_unknown`](Self::outcome_unknown) when it timed out or the
-/// connection broke after that. The layer then stores the response the handler returns, or
-/// marks the operation indeterminate (never re-executed on its own) when the outcome is
-/// unknown, or when the handler fails after the point of no return. Before the point of no
-/// return, a failure frees the key.
+/// connection broke after that. What becomes of the record is then the same rule for every
+/// route and for `idemkey gateway` (`docs/contract.md`, "After the point of no return"):
+///
+/// - before the point of no return, whatever the handler does frees the key: nothing can
+///   have happened elsewhere, so a retry runs the handler again (always mark the point of
+///   no return before calling out);
+/// - after it, a panic or an unknown outcome leaves the operation indeterminate (never
+///   re-executed on its own); an answer is stored, frees the key, or leaves the operation
+///   indeterminate, as the route's [`AnswerRule`](idemkey_core::AnswerRule) says of its
+///   status (by default: refusals such as 400 or 429 free it, 5xx are indeterminate, every
+///   other answer is stored).
+///
+/// The handler runs on a task of its own: a client that hangs up does not stop it.
 ///
 /// ```no_run
 /// use idemkey_sqlite::SqliteStore;
@@ -137,6 +76,7 @@ pub(crate) struct Flags {
 pub struct External<S: Store> {
     pub(crate) lease: Lease<S>,
     pub(crate) flags: Arc<Flags>,
+    pub(crate) status_url: Arc<str>,
 }
 
 impl<S: Store> Clone for External<S> {
@@ -144,6 +84,7 @@ impl<S: Store> Clone for External<S> {
         Self {
             lease: self.lease.clone(),
             flags: self.flags.clone(),
+            status_url: self.status_url.clone(),
         }
     }
 }
@@ -170,10 +111,10 @@ impl<S: Store> External<S> {
                 Ok(())
             }
             Err(protocol::Error::Fenced) => Err(IdempotencyRejection::InFlight {
-                retry_after: Duration::from_secs(1),
+                retry_after: RETRY_AFTER,
             }),
             Err(_) => Err(IdempotencyRejection::StoreUnavailable {
-                retry_after: Duration::from_secs(1),
+                retry_after: RETRY_AFTER,
             }),
         }
     }
@@ -194,6 +135,11 @@ impl<S: Store> External<S> {
     pub fn key_id(&self) -> String {
         self.lease.id().key_id()
     }
+
+    /// The status resource of this key, for an answer that says the outcome is unknown.
+    pub fn status_url(&self) -> &str {
+        &self.status_url
+    }
 }
 
 impl<S: Store, State: Send + Sync> FromRequestParts<State> for External<S> {
@@ -205,5 +151,17 @@ impl<S: Store, State: Send + Sync> FromRequestParts<State> for External<S> {
             .get::<External<S>>()
             .cloned()
             .ok_or(IdempotencyRejection::TransactionUnavailable)
+    }
+}
+
+/// `Option<External<S>>`: `None` for a request without a key on an `optional` route.
+impl<S: Store, State: Send + Sync> OptionalFromRequestParts<State> for External<S> {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _: &State,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<External<S>>().cloned())
     }
 }

@@ -4,12 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderName;
-use idemkey_core::{FingerprintSpec, KeyHasher};
+use idemkey_core::{AnswerRule, Clock, FingerprintSpec, KeyHasher, RecordId, SystemClock};
 use tower_layer::Layer;
 
-use crate::{
-    DefaultStorePolicy, IdempotencyService, InFlightPolicy, KeyRequirement, Metrics, StorePolicy,
-};
+use crate::{IdempotencyService, InFlightPolicy, KeyRequirement, Metrics};
 
 /// Where the status resource lives; a key's URL is this prefix plus the encoded key.
 pub const STATUS_PATH: &str = "/idempotency/v1/keys";
@@ -25,8 +23,27 @@ pub(crate) struct Config {
     pub(crate) stored_headers: Vec<HeaderName>,
     pub(crate) fingerprint: FingerprintSpec,
     pub(crate) metrics: Metrics,
+    /// Which answers are stored, released or left indeterminate.
+    pub(crate) answers: AnswerRule,
+    /// The route of the scope; `None`: axum's matched path, else the request's path.
+    pub(crate) route: Option<String>,
     /// `Some(lease)`: external mode (see [`External`](crate::External)).
     pub(crate) external: Option<Duration>,
+    /// External mode: seals the raw key into the record, for a reconciler.
+    pub(crate) seal: Option<KeySeal>,
+    pub(crate) clock: Arc<dyn Clock>,
+}
+
+/// Seals a raw key for its record (see [`IdempotencyLayer::seal_keys`]).
+type SealFn = dyn Fn(&str, &RecordId) -> Vec<u8> + Send + Sync;
+
+#[derive(Clone)]
+pub(crate) struct KeySeal(pub(crate) Arc<SealFn>);
+
+impl std::fmt::Debug for KeySeal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeySeal(..)")
+    }
 }
 
 /// Applies the idempotency contract to a route, in the route's own database transaction.
@@ -59,16 +76,15 @@ pub(crate) struct Config {
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
-pub struct IdempotencyLayer<S, P = DefaultStorePolicy> {
+pub struct IdempotencyLayer<S> {
     pub(crate) store: S,
     pub(crate) config: Arc<Config>,
-    pub(crate) policy: P,
 }
 
 impl<S> IdempotencyLayer<S> {
     /// A layer on `store`, hashing keys with `hasher`: key required, wait up to 5 s for an
-    /// attempt in flight, 24 h retention, 1 MiB request bodies, 1 MiB stored responses,
-    /// the [`DefaultStorePolicy`].
+    /// attempt in flight, 24 h retention, 1 MiB request bodies, 1 MiB stored responses, the
+    /// default [`AnswerRule`], the system clock.
     pub fn new(store: S, hasher: KeyHasher) -> Self {
         Self {
             store,
@@ -82,14 +98,15 @@ impl<S> IdempotencyLayer<S> {
                 stored_headers: Vec::new(),
                 fingerprint: FingerprintSpec::default(),
                 metrics: Metrics::new(),
+                answers: AnswerRule::default(),
+                route: None,
                 external: None,
+                seal: None,
+                clock: Arc::new(SystemClock),
             }),
-            policy: DefaultStorePolicy,
         }
     }
-}
 
-impl<S, P> IdempotencyLayer<S, P> {
     fn with(mut self, f: impl FnOnce(&mut Config)) -> Self {
         f(Arc::make_mut(&mut self.config));
         self
@@ -168,18 +185,48 @@ impl<S, P> IdempotencyLayer<S, P> {
         self.with(|c| c.metrics = metrics)
     }
 
-    /// Replaces the policy that decides which responses are stored.
-    pub fn store_policy<Q: StorePolicy>(self, policy: Q) -> IdempotencyLayer<S, Q> {
-        IdempotencyLayer {
-            store: self.store,
-            config: self.config,
-            policy,
-        }
+    /// Which answers the route stores, which say nothing was done (the key is released, or
+    /// in local mode the transaction rolls back), and which leave the outcome unknown
+    /// (external mode: the record turns indeterminate). See [`AnswerRule`] for the default
+    /// and `docs/contract.md` for the whole table.
+    ///
+    /// ```
+    /// # use idemkey_core::{AfterEffect, AnswerRule, KeyHasher};
+    /// # use idemkey_tower::IdempotencyLayer;
+    /// # fn f<S>(layer: IdempotencyLayer<S>) -> IdempotencyLayer<S> {
+    /// // This service's 503 means it did nothing; its 500 is an outcome worth replaying.
+    /// layer.answers(AnswerRule::new().status(503, AfterEffect::Release).status(500, AfterEffect::Complete))
+    /// # }
+    /// ```
+    pub fn answers(self, rule: AnswerRule) -> Self {
+        self.with(|c| c.answers = rule)
+    }
+
+    /// Scopes this layer's records by `route` (e.g. `POST /v1/*`, a proxy's rule) instead of
+    /// the route axum matched (or, without one, the request's path).
+    pub fn route(self, route: impl Into<String>) -> Self {
+        let route = route.into();
+        self.with(|c| c.route = Some(route))
+    }
+
+    /// External mode: also keep each raw key in its record, sealed by `seal` (given the key
+    /// and the record's identity), so a reconciler can ask the other service about it. By
+    /// default only the keyed hash is stored.
+    pub fn seal_keys(
+        self,
+        seal: impl Fn(&str, &RecordId) -> Vec<u8> + Send + Sync + 'static,
+    ) -> Self {
+        self.with(|c| c.seal = Some(KeySeal(Arc::new(seal))))
+    }
+
+    /// Reads the time from `clock` (claims, expiry, leases) instead of the system clock.
+    pub fn clock(self, clock: Arc<dyn Clock>) -> Self {
+        self.with(|c| c.clock = clock)
     }
 }
 
-impl<S: Clone, P: Clone, I> Layer<I> for IdempotencyLayer<S, P> {
-    type Service = IdempotencyService<S, P, I>;
+impl<S: Clone, I> Layer<I> for IdempotencyLayer<S> {
+    type Service = IdempotencyService<S, I>;
 
     fn layer(&self, inner: I) -> Self::Service {
         IdempotencyService {

@@ -28,18 +28,18 @@ mod service;
 mod status;
 mod tx;
 
-pub use self::external::{External, Renewal, keep_alive, reserve_waiting, settle};
+pub use self::external::External;
 pub use self::hop::strip_hop_by_hop;
 pub use self::layer::{IdempotencyLayer, STATUS_PATH};
 pub use self::metrics::{Metrics, Outcome, Reconciled};
-pub use self::policy::{DefaultStorePolicy, InFlightPolicy, KeyRequirement, StorePolicy};
+pub use self::policy::{InFlightPolicy, KeyRequirement};
 pub use self::problem::{IdempotencyRejection, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 pub use self::service::{
-    EXPIRES_HEADER, IdempotencyService, REPLAYED_HEADER, RETRY_AFTER, add_expiry, answer_claim,
-    is_safe, read_body, replay, status_url, store_unavailable, stored_headers,
+    EXPIRES_HEADER, IdempotencyService, REPLAYED_HEADER, RETRY_AFTER, is_safe, stored_headers,
 };
 pub use self::status::status_router;
 pub use self::tx::Tx;
+pub use idemkey_core::{AfterEffect, AnswerRule};
 
 /// The authenticated tenant of a request, as a request extension set by the application's
 /// authentication middleware. Keys are scoped by it. Requests without one share the

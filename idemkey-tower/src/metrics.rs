@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use idemkey_core::AfterEffect;
+
 /// What happened to one keyed request; a label of the counters and histograms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -51,9 +53,16 @@ pub enum Reconciled {
 }
 
 const RECONCILED: [(Reconciled, &str); 3] = [
-    (Reconciled::Completed, "settled_completed"),
-    (Reconciled::Released, "settled_released"),
+    (Reconciled::Completed, "resolved_completed"),
+    (Reconciled::Released, "resolved_released"),
     (Reconciled::StillUnknown, "still_unknown"),
+];
+
+/// The writes an external-mode owner makes once it is done, as metric labels.
+const OWNER_WRITES: [(AfterEffect, &str); 3] = [
+    (AfterEffect::Complete, "complete"),
+    (AfterEffect::Release, "release"),
+    (AfterEffect::Indeterminate, "indeterminate"),
 ];
 
 /// Upper bounds of the latency buckets, in seconds.
@@ -75,6 +84,7 @@ struct Inner {
     latency: [Histogram; OUTCOMES.len()],
     purged: AtomicU64,
     marked_indeterminate: AtomicU64,
+    owner_write_failures: [AtomicU64; OWNER_WRITES.len()],
     reconciled: [AtomicU64; RECONCILED.len()],
 }
 
@@ -130,6 +140,24 @@ impl Metrics {
         self.inner
             .marked_indeterminate
             .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts an owner's final write (complete, release, mark indeterminate) that the store
+    /// kept refusing after every retry: the record is left to its lease.
+    pub fn owner_write_failed(&self, write: AfterEffect) {
+        if let Some(i) = OWNER_WRITES.iter().position(|(w, _)| *w == write) {
+            self.inner.owner_write_failures[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// How many of an owner's final writes of this kind failed.
+    pub fn owner_write_failures(&self, write: AfterEffect) -> u64 {
+        OWNER_WRITES
+            .iter()
+            .position(|(w, _)| *w == write)
+            .map_or(0, |i| {
+                self.inner.owner_write_failures[i].load(Ordering::Relaxed)
+            })
     }
 
     /// Counts one reconciliation attempt by its result.
@@ -216,6 +244,18 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP idemkey_owner_write_failures_total An owner's final writes that failed after every retry; the record is left to its lease.\n\
+             # TYPE idemkey_owner_write_failures_total counter"
+        );
+        for (i, (_, name)) in OWNER_WRITES.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "idemkey_owner_write_failures_total{{write=\"{name}\"}} {}",
+                inner.owner_write_failures[i].load(Ordering::Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
             "# HELP idemkey_reconciled_total Reconciliation attempts of operations whose outcome was unknown, by result.\n\
              # TYPE idemkey_reconciled_total counter"
         );
@@ -259,8 +299,13 @@ mod tests {
             text.contains("idemkey_marked_indeterminate_total 1\n"),
             "{text}"
         );
-        assert!(text.contains("idemkey_reconciled_total{result=\"settled_released\"} 1\n"));
+        assert!(text.contains("idemkey_reconciled_total{result=\"resolved_released\"} 1\n"));
         assert!(text.contains("idemkey_reconciled_total{result=\"still_unknown\"} 0\n"));
         assert_eq!(m.reconciled_count(Reconciled::Released), 1);
+        m.owner_write_failed(AfterEffect::Release);
+        let text = m.render();
+        assert!(text.contains("idemkey_owner_write_failures_total{write=\"release\"} 1\n"));
+        assert!(text.contains("idemkey_owner_write_failures_total{write=\"complete\"} 0\n"));
+        assert_eq!(m.owner_write_failures(AfterEffect::Release), 1);
     }
 }

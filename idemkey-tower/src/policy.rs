@@ -1,9 +1,7 @@
-//! Per-route policies: whether a key is required, what to do while the first attempt runs,
-//! and which responses are stored.
+//! Per-route policies: whether a key is required and what to do while the first attempt
+//! runs. Which answers are stored is the route's [`AnswerRule`](idemkey_core::AnswerRule).
 
 use std::time::Duration;
-
-use http::StatusCode;
 
 /// Whether a route takes an `Idempotency-Key`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -35,66 +33,5 @@ impl InFlightPolicy {
 impl Default for InFlightPolicy {
     fn default() -> Self {
         Self::Wait(Self::DEFAULT_WAIT)
-    }
-}
-
-/// Decides whether a response the handler produced is stored (its transaction commits, and
-/// retries replay it) or not (its transaction rolls back and the key stays free).
-///
-/// Implemented for closures `Fn(StatusCode) -> bool`.
-pub trait StorePolicy: Clone + Send + Sync + 'static {
-    /// `true`: store and commit; `false`: roll back.
-    fn stores(&self, status: StatusCode) -> bool;
-}
-
-impl<F> StorePolicy for F
-where
-    F: Fn(StatusCode) -> bool + Clone + Send + Sync + 'static,
-{
-    fn stores(&self, status: StatusCode) -> bool {
-        self(status)
-    }
-}
-
-/// The default: every outcome is stored — successes and business errors alike (a card
-/// decline, a business 409, a 404) — except responses that say the request itself was
-/// rejected before any effect could happen (400, 401, 403, 405, 406, 408, 411, 413, 414,
-/// 415, 422, 429) and server errors (5xx), which roll back so a retry runs fresh.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct DefaultStorePolicy;
-
-impl StorePolicy for DefaultStorePolicy {
-    fn stores(&self, status: StatusCode) -> bool {
-        !(status.is_server_error()
-            || matches!(
-                status.as_u16(),
-                400 | 401 | 403 | 405 | 406 | 408 | 411 | 413 | 414 | 415 | 422 | 429
-            ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn default_policy_stores_outcomes_not_rejections() {
-        let p = DefaultStorePolicy;
-        for s in [200, 201, 202, 204, 402, 404, 409, 410] {
-            assert!(p.stores(StatusCode::from_u16(s).unwrap()), "{s} is stored");
-        }
-        for s in [400, 401, 413, 422, 429, 500, 502, 503] {
-            assert!(
-                !p.stores(StatusCode::from_u16(s).unwrap()),
-                "{s} is not stored"
-            );
-        }
-    }
-
-    #[test]
-    fn closures_are_policies() {
-        let only_created = |s: StatusCode| s == StatusCode::CREATED;
-        assert!(only_created.stores(StatusCode::CREATED));
-        assert!(!only_created.stores(StatusCode::OK));
     }
 }

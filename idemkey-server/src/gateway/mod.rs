@@ -1,14 +1,14 @@
 //! `idemkey gateway`: a reverse proxy that puts the idempotency contract in front of any
 //! HTTP service, for effects that cannot share a transaction with the record.
 //!
-//! A keyed request is reserved with a lease ([`protocol::reserve`]); the lease is renewed
-//! while the upstream works; the point of no return is marked once a connection to the
-//! upstream is open, just before the request is written; the upstream's answer is stored
-//! with the owner's fencing token. A refused connection releases the key (nothing was sent);
-//! a time-out or reset after sending leaves the operation indeterminate, settled later by
-//! the [reconciler](reconciler) or an operator (`idemkey keys resolve`).
-//!
-//! [`protocol::reserve`]: idemkey_core::protocol::reserve
+//! The gateway is the layer's external mode ([`IdempotencyLayer::external`]) with a proxy
+//! handler: a keyed request is reserved with a lease, renewed while the upstream works; the
+//! point of no return is marked once a connection to the upstream is open, just before the
+//! request is written; what becomes of the record afterwards is the layer's one decision
+//! ([`idemkey_core::after_effect`]) under the route's [`AnswerRule`]. A refused connection
+//! releases the key (nothing was sent); a time-out or reset after sending leaves the
+//! operation indeterminate, resolved later by the [reconciler](reconciler) or an operator
+//! (`idemkey keys resolve`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -21,8 +21,10 @@ use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::{Method, header};
-use idemkey_core::KeyHasher;
-use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics, Tenant, status_router};
+use idemkey_core::{AnswerRule, KeyHasher};
+use idemkey_tower::{
+    IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, Tenant, status_router,
+};
 
 use crate::problem::ApiError;
 use crate::serve::{key_secret, purge_loop, shutdown_signal};
@@ -70,8 +72,9 @@ impl Upstream {
     }
 }
 
-/// One `--route` / `--optional-route`: `METHOD PATH`, PATH ending in `*` for a prefix,
-/// METHOD `*` for any unsafe method.
+/// One `--route` / `--optional-route`: `METHOD PATH [STATUS=ACTION …]`, PATH ending in `*`
+/// for a prefix, METHOD `*` for any unsafe method, then the route's own changes to its
+/// [`AnswerRule`] (e.g. `503=release 500=store`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouteRule {
     /// `None`: any method.
@@ -82,15 +85,24 @@ pub struct RouteRule {
     prefix: bool,
     /// Whether a key is required or optional.
     requirement: KeyRequirement,
+    /// Which upstream answers are stored, released or left indeterminate.
+    answers: AnswerRule,
 }
 
 impl RouteRule {
-    /// Parses `"METHOD PATH"`.
-    pub fn parse(spec: &str, requirement: KeyRequirement) -> Result<Self, String> {
-        let (method, pattern) = spec.trim().split_once(' ').ok_or_else(|| {
-            format!("route {spec:?}: expected \"METHOD PATH\", e.g. \"POST /v1/*\"")
-        })?;
-        let pattern = pattern.trim();
+    /// Parses `"METHOD PATH [STATUS=ACTION …]"`; the actions change `answers`, the rule of
+    /// every route (`--answers`).
+    pub fn parse(spec: &str, requirement: KeyRequirement, answers: &str) -> Result<Self, String> {
+        let mut words = spec.split_whitespace();
+        let (Some(method), Some(pattern)) = (words.next(), words.next()) else {
+            return Err(format!(
+                "route {spec:?}: expected \"METHOD PATH\", e.g. \"POST /v1/*\""
+            ));
+        };
+        let overrides: Vec<&str> = words.collect();
+        let answers: AnswerRule = format!("{answers} {}", overrides.join(" "))
+            .parse()
+            .map_err(|e| format!("route {spec:?}: {e}"))?;
         if !(pattern.starts_with('/') || pattern == "*") {
             return Err(format!(
                 "route {spec:?}: the path must start with / (or be *)"
@@ -111,6 +123,7 @@ impl RouteRule {
             prefix: pattern.ends_with('*'),
             pattern: pattern.to_owned(),
             requirement,
+            answers,
         })
     }
 
@@ -152,8 +165,6 @@ pub struct GatewayOptions {
     pub max_request_body: usize,
     /// Largest upstream answer that is stored.
     pub max_stored_response: usize,
-    /// Store upstream 5xx answers instead of releasing the key.
-    pub store_5xx: bool,
     /// How long outcomes are kept.
     pub retention: Duration,
     /// Bearer token → tenant; when empty, the tenant is a keyed hash of `Authorization`.
@@ -177,7 +188,10 @@ struct Inner<S> {
     hasher: KeyHasher,
     sealer: KeySealer,
     metrics: Metrics,
-    options: GatewayOptions,
+    options: Arc<GatewayOptions>,
+    /// Per route rule (same order as `options.routes`): the layer's external mode around
+    /// the forwarding handler.
+    keyed: Vec<Router>,
 }
 
 /// The gateway's state.
@@ -254,12 +268,35 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
     db.migrate_all().await.context("migrations failed")?;
     let secret = key_secret(&db, options.key_secret.as_deref()).await?;
     let metrics = Metrics::new();
+    let hasher = KeyHasher::new(&secret);
+    let sealer = KeySealer::new(&secret);
+    let shared = Arc::new(options.clone());
+    let keyed = options
+        .routes
+        .iter()
+        .map(|rule| {
+            let sealer = sealer.clone();
+            let layer = IdempotencyLayer::new(db.clone(), hasher.clone())
+                .external(options.lease)
+                .requirement(rule.requirement)
+                .route(rule.pattern())
+                .answers(rule.answers.clone())
+                .in_flight(options.in_flight)
+                .retention(options.retention)
+                .max_request_body(options.max_request_body)
+                .max_stored_response(options.max_stored_response)
+                .metrics(metrics.clone())
+                .seal_keys(move |key, id| sealer.seal(key, &id.key_hash));
+            proxy::keyed_route(layer, shared.clone())
+        })
+        .collect();
     let gw = Gateway(Arc::new(Inner {
         store: db.clone(),
-        hasher: KeyHasher::new(&secret),
-        sealer: KeySealer::new(&secret),
+        hasher,
+        sealer,
         metrics: metrics.clone(),
-        options: options.clone(),
+        options: shared,
+        keyed,
     }));
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await
@@ -273,14 +310,14 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
                 KeyRequirement::Optional => "key optional",
                 _ => "key required",
             };
-            format!("{method} {} ({kind})", r.pattern)
+            format!("{method} {} ({kind}; answers: {})", r.pattern, r.answers)
         })
         .collect();
     println!(
-        "upstream http://{}{}; keyed routes: {}",
+        "upstream http://{}{}; keyed routes:\n  {}",
         options.upstream.authority,
         options.upstream.base_path,
-        routes.join(", ")
+        routes.join("\n  ")
     );
     println!(
         "idemkey gateway listening on http://{}",
@@ -332,18 +369,36 @@ mod tests {
 
     #[test]
     fn matches_routes() {
-        let any = RouteRule::parse("POST *", KeyRequirement::Required).unwrap();
+        let any = RouteRule::parse("POST *", KeyRequirement::Required, "").unwrap();
         assert!(any.matches(&Method::POST, "/anything"));
         assert!(!any.matches(&Method::PUT, "/anything"));
-        let prefix = RouteRule::parse("* /v1/*", KeyRequirement::Optional).unwrap();
+        let prefix = RouteRule::parse("* /v1/*", KeyRequirement::Optional, "").unwrap();
         assert!(prefix.matches(&Method::PATCH, "/v1/transfers"));
         assert!(!prefix.matches(&Method::PATCH, "/v2/transfers"));
-        let exact = RouteRule::parse("post /v1/transfers", KeyRequirement::Required).unwrap();
+        let exact = RouteRule::parse("post /v1/transfers", KeyRequirement::Required, "").unwrap();
         assert!(exact.matches(&Method::POST, "/v1/transfers"));
         assert!(!exact.matches(&Method::POST, "/v1/transfers/1"));
         assert_eq!(exact.pattern(), "/v1/transfers");
-        assert!(RouteRule::parse("POST", KeyRequirement::Required).is_err());
-        assert!(RouteRule::parse("POST /a*b", KeyRequirement::Required).is_err());
-        assert!(RouteRule::parse("POST v1", KeyRequirement::Required).is_err());
+        assert!(RouteRule::parse("POST", KeyRequirement::Required, "").is_err());
+        assert!(RouteRule::parse("POST /a*b", KeyRequirement::Required, "").is_err());
+        assert!(RouteRule::parse("POST v1", KeyRequirement::Required, "").is_err());
+    }
+
+    #[test]
+    fn routes_carry_their_answer_rule() {
+        use idemkey_core::AfterEffect;
+        let rule = RouteRule::parse(
+            "POST /v1/* 503=release",
+            KeyRequirement::Required,
+            "5xx=store",
+        )
+        .unwrap();
+        assert_eq!(rule.pattern(), "/v1/*");
+        assert_eq!(rule.answers.classify(503), AfterEffect::Release);
+        assert_eq!(rule.answers.classify(500), AfterEffect::Complete);
+        let plain = RouteRule::parse("POST /v1/*", KeyRequirement::Required, "").unwrap();
+        assert_eq!(plain.answers, AnswerRule::default());
+        let e = RouteRule::parse("POST /v1/* 503=maybe", KeyRequirement::Required, "").unwrap_err();
+        assert!(e.contains("503=maybe"), "{e}");
     }
 }

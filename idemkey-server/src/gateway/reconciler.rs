@@ -1,4 +1,4 @@
-//! The reconciler: settles operations whose outcome is unknown by asking the upstream.
+//! The reconciler: resolves operations whose outcome is unknown by asking the upstream.
 //!
 //! Every interval it lists the records whose outcome is unknown (indeterminate, or past the
 //! point of no return with a lapsed lease, as [`decide`] says), unseals each key and GETs
@@ -10,9 +10,9 @@
 //! - 404: it did not happen; the key is released and the next retry executes;
 //! - anything else, or no answer: still unknown, asked again next time.
 //!
-//! Each settlement goes through [`protocol::resolve`], which raises the fencing token and
+//! Each resolution goes through [`protocol::resolve`], which raises the fencing token and
 //! writes an audit entry with actor `reconciler`. Several gateways may reconcile at once:
-//! the token lets only one settle each record.
+//! the token lets only one resolve each record.
 
 use std::time::Duration;
 
@@ -89,7 +89,7 @@ async fn reconcile_once<S: AppDb>(
             .as_deref()
             .and_then(|sealed| gw.sealer.unseal(sealed, &record.id.key_hash))
         else {
-            tracing::warn!(%key_id, "no sealed key (or sealed under another secret): only an operator can settle it");
+            tracing::warn!(%key_id, "no sealed key (or sealed under another secret): only an operator can resolve it");
             gw.metrics.reconciled(Reconciled::StillUnknown);
             continue;
         };
@@ -147,7 +147,7 @@ async fn reconcile_once<S: AppDb>(
         .await
         {
             Ok(_) => {
-                tracing::info!(%key_id, route = %record.id.route, ?what, "settled an unknown outcome");
+                tracing::info!(%key_id, route = %record.id.route, ?what, "resolved an unknown outcome");
                 gw.metrics.reconciled(what);
             }
             Err(
@@ -155,7 +155,7 @@ async fn reconcile_once<S: AppDb>(
                 | protocol::Error::NotIndeterminate(_)
                 | protocol::Error::NotFound,
             ) => {
-                // Someone else (the owner, another gateway, an operator) settled it first.
+                // Someone else (the owner, another gateway, an operator) resolved it first.
             }
             Err(e) => return Err(e.into()),
         }

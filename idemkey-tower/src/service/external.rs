@@ -1,0 +1,240 @@
+//! External mode: the owner flow after a reservation, for effects the store cannot share a
+//! transaction with. `idemkey gateway` is this flow plus a proxy handler.
+//!
+//! 1. Reserve the key with a lease (under `wait`, poll a reservation held by another attempt
+//!    until its owner finishes or the bound passes).
+//! 2. On its own task, so that a client that hangs up cannot stop it between the point of
+//!    no return and the recorded outcome: run the handler with an [`External`] handle while
+//!    the lease is renewed.
+//! 3. Ask [`after_effect`] what becomes of the record, given how far the handler got and the
+//!    route's [`AnswerRule`](idemkey_core::AnswerRule), and write that with the fencing
+//!    token: complete, release, or mark indeterminate. A write the store refuses is retried,
+//!    then logged and counted (`idemkey_owner_write_failures_total`); the lease is the
+//!    backstop.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use futures::FutureExt;
+use http::Request;
+use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease};
+use idemkey_core::{AfterEffect, Progress, Store, after_effect};
+use tower_service::Service;
+use tracing::Instrument;
+
+use super::stored::{Captured, capture_outcome, status_url};
+use super::{Keyed, call, store_unavailable};
+use crate::external::{External, Flags};
+use crate::metrics::Outcome;
+use crate::{IdempotencyRejection, InFlightPolicy};
+
+/// How often a waiting attempt looks at a reservation held by another attempt.
+const POLL: Duration = Duration::from_millis(50);
+
+/// How many times an owner's final write is tried.
+const WRITE_ATTEMPTS: usize = 5;
+
+pub(super) async fn run<S, I>(
+    keyed: Keyed<S>,
+    inner: I,
+    req: Request<Body>,
+    mut claim: Claim,
+    lease_time: Duration,
+) -> Response
+where
+    S: Store,
+    I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    I::Future: Send + 'static,
+{
+    let store = keyed.layer.store.clone();
+    let reserved = reserve_waiting(&keyed, &mut claim, lease_time).await;
+    let (token, expires_at) = match reserved {
+        Ok(ClaimOutcome::Owned { token, expires_at }) => (token, expires_at),
+        Ok(other) => return keyed.answer_existing(other),
+        Err(protocol::Error::Store(e)) => {
+            return keyed.finish(Outcome::StoreError, store_unavailable(&e));
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "reservation failed");
+            return keyed.finish(Outcome::StoreError, IdempotencyRejection::Internal);
+        }
+    };
+    let lease =
+        Lease::new(store, claim.id, token, lease_time).with_clock(keyed.config.clock.clone());
+    let owner = tokio::spawn(own(keyed, inner, req, lease, expires_at).in_current_span());
+    match owner.await {
+        Ok(response) => response,
+        Err(e) => {
+            tracing::error!(error = %e, "the owner's task failed");
+            IdempotencyRejection::Internal.into_response()
+        }
+    }
+}
+
+/// Reserves `claim` with a lease. Under [`InFlightPolicy::Wait`], a reservation held by
+/// another attempt is polled until its owner finishes or the bound passes; then the last
+/// answer stands (`InFlight`).
+async fn reserve_waiting<S: Store>(
+    keyed: &Keyed<S>,
+    claim: &mut Claim,
+    lease: Duration,
+) -> protocol::Result<ClaimOutcome> {
+    let started = Instant::now();
+    loop {
+        claim.now = keyed.config.clock.now();
+        let outcome = protocol::reserve(&keyed.layer.store, claim, lease).await?;
+        match (&outcome, keyed.config.in_flight) {
+            (ClaimOutcome::InFlight { .. }, InFlightPolicy::Wait(bound))
+                if started.elapsed() + POLL < bound =>
+            {
+                tokio::time::sleep(POLL).await;
+            }
+            _ => return Ok(outcome),
+        }
+    }
+}
+
+/// What the owner holds once the handler is done.
+enum Answer {
+    /// Read whole, to be stored.
+    Captured(Captured),
+    /// Passed on as it is.
+    Plain(Response),
+}
+
+/// The owner: runs the handler, decides, writes the decision.
+async fn own<S, I>(
+    keyed: Keyed<S>,
+    inner: I,
+    mut req: Request<Body>,
+    lease: Lease<S>,
+    expires_at: idemkey_core::Timestamp,
+) -> Response
+where
+    S: Store,
+    I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    I::Future: Send + 'static,
+{
+    let config = keyed.config.clone();
+    let renewal = keep_alive(lease.clone(), lease.duration() / 3);
+    let flags = Arc::new(Flags::default());
+    req.extensions_mut().insert(External {
+        lease: lease.clone(),
+        flags: flags.clone(),
+        status_url: status_url(&keyed.key).into(),
+    });
+    let result = AssertUnwindSafe(call(inner, req)).catch_unwind().await;
+    let nothing_back = if flags.sent() {
+        Progress::SentNoAnswer
+    } else {
+        Progress::NotSent
+    };
+    let (progress, response) = match result {
+        Err(_panic) => (nothing_back, IdempotencyRejection::Internal.into_response()),
+        Ok(response) if flags.sent() && !flags.unknown() => {
+            (Progress::Answered(response.status().as_u16()), response)
+        }
+        Ok(response) => (nothing_back, response),
+    };
+    let (decision, answer) = match after_effect(progress, &config.answers) {
+        AfterEffect::Complete => match capture_outcome(response, &config).await {
+            Ok(captured) => (AfterEffect::Complete, Answer::Captured(captured)),
+            // An answer that cannot be stored is known to this attempt only.
+            Err(rejection) => (
+                after_effect(nothing_back, &config.answers),
+                Answer::Plain(rejection.into_response()),
+            ),
+        },
+        other => (other, Answer::Plain(response)),
+    };
+    drop(renewal);
+    if decision == AfterEffect::Indeterminate {
+        config.metrics.marked_indeterminate();
+    }
+    let written = match (&decision, &answer) {
+        (AfterEffect::Complete, Answer::Captured(c)) => {
+            persist("storing the outcome", || lease.complete(&c.stored)).await
+        }
+        (AfterEffect::Indeterminate, _) => {
+            persist("marking the outcome unknown", || lease.mark_indeterminate()).await
+        }
+        _ => persist("releasing the key", || lease.release()).await,
+    };
+    match &written {
+        Ok(()) => {}
+        Err(protocol::Error::Fenced) => tracing::info!(
+            write = %decision,
+            "a newer owner or an operator holds the record now; this owner's write was refused"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, write = %decision, "the owner's last write failed; the record is left to its lease");
+            config.metrics.owner_write_failed(decision);
+        }
+    }
+    let outcome = match decision {
+        AfterEffect::Complete if written.is_ok() => Outcome::Executed,
+        AfterEffect::Indeterminate => Outcome::Indeterminate,
+        _ => Outcome::NotStored,
+    };
+    let response = match answer {
+        // This attempt's answer is the truth for this attempt, stored or not.
+        Answer::Captured(c) => c.into_response(written.is_ok().then_some(expires_at)),
+        Answer::Plain(response) => response,
+    };
+    keyed.finish(outcome, response)
+}
+
+/// Keeps a lease alive while its owner works; renewal stops when this is dropped.
+struct Renewal(tokio::task::JoinHandle<()>);
+
+impl Drop for Renewal {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Renews `lease` every `every` until the returned [`Renewal`] is dropped, or until a newer
+/// owner took the record over.
+fn keep_alive<S: Store>(lease: Lease<S>, every: Duration) -> Renewal {
+    Renewal(tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            match lease.renew().await {
+                Ok(()) => {}
+                Err(protocol::Error::Fenced) => {
+                    tracing::warn!(key_id = %lease.id().key_id(), "lease lost to a newer owner");
+                    return;
+                }
+                Err(e) => tracing::warn!(error = %e, "lease renewal failed; will try again"),
+            }
+        }
+    }))
+}
+
+/// Retries a write that records what already happened, on store errors (a busy SQLite, a
+/// blip): giving up early would turn a known outcome into an unknown one.
+async fn persist<F, Fut>(what: &str, mut write: F) -> protocol::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = protocol::Result<()>>,
+{
+    let mut pause = Duration::from_millis(50);
+    let mut last = None;
+    for _ in 0..WRITE_ATTEMPTS {
+        match write().await {
+            Err(protocol::Error::Store(e)) => {
+                tracing::warn!(error = %e, "{what} failed; trying again");
+                last = Some(e);
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            }
+            other => return other,
+        }
+    }
+    Err(protocol::Error::Store(last.expect("at least one attempt")))
+}

@@ -1,0 +1,166 @@
+//! Local mode: the claim, the handler's effect and the stored answer in one transaction.
+
+use std::convert::Infallible;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use futures::FutureExt;
+use http::Request;
+use idemkey_core::protocol::{self, Claim, ClaimOutcome};
+use idemkey_core::{AfterEffect, Store};
+use tokio::sync::Mutex;
+use tower_service::Service;
+
+use super::stored::capture_outcome;
+use super::{Keyed, call, store_unavailable};
+use crate::metrics::Outcome;
+use crate::tx::{Slot, TxSlot};
+use crate::{IdempotencyLayer, IdempotencyRejection, InFlightPolicy};
+
+/// Claims the key in a new transaction, runs the handler on it, and stores its answer in it
+/// when the route's rule says so (then commits; otherwise rolls back: no record, no effect).
+pub(super) async fn run<S, I>(
+    keyed: Keyed<S>,
+    inner: I,
+    req: Request<Body>,
+    claim: Claim,
+) -> Response
+where
+    S: Store,
+    I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    I::Future: Send + 'static,
+{
+    let store = keyed.layer.store.clone();
+    let config = keyed.config.clone();
+    let mut tx = match store.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return keyed.finish(Outcome::StoreError, store_unavailable(&e)),
+    };
+    let wait = match config.in_flight {
+        InFlightPolicy::Wait(bound) if bound == InFlightPolicy::DEFAULT_WAIT => None,
+        InFlightPolicy::Wait(bound) => Some(bound),
+        InFlightPolicy::Reject => Some(Duration::from_millis(1)),
+    };
+    if let Some(wait) = wait
+        && let Err(e) = store.limit_lock_wait(&mut tx, wait).await
+    {
+        return keyed.finish(Outcome::StoreError, store_unavailable(&e));
+    }
+    let outcome = match protocol::claim(&store, &mut tx, &claim).await {
+        Ok(outcome) => outcome,
+        Err(protocol::Error::Store(e)) => {
+            return keyed.finish(Outcome::StoreError, store_unavailable(&e));
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "claim failed");
+            return keyed.finish(Outcome::StoreError, IdempotencyRejection::Internal);
+        }
+    };
+    let token = match outcome {
+        ClaimOutcome::Owned { token, .. } => token,
+        other => {
+            // Nothing of the caller's was written; committing keeps a possible
+            // `indeterminate` mark the claim left.
+            let _ = store.commit(tx).await;
+            return keyed.answer_existing(other);
+        }
+    };
+    if wait.is_some() {
+        // The bound was for the claim; the handler's own statements get the default.
+        if let Err(e) = store
+            .limit_lock_wait(&mut tx, InFlightPolicy::DEFAULT_WAIT)
+            .await
+        {
+            return keyed.finish(Outcome::StoreError, store_unavailable(&e));
+        }
+    }
+    let expires_at = claim.now.plus(config.retention);
+
+    let (response, mut tx) = match run_handler::<S, I>(inner, req, tx).await {
+        Ok(done) => done,
+        Err(rejection) => return keyed.finish(Outcome::NotStored, rejection),
+    };
+    // In one transaction nothing can be half done: what is not stored rolls back.
+    if config.answers.classify(response.status().as_u16()) != AfterEffect::Complete {
+        drop(tx);
+        return keyed.finish(Outcome::NotStored, response);
+    }
+    let captured = match capture_outcome(response, &config).await {
+        Ok(captured) => captured,
+        Err(rejection) => {
+            drop(tx);
+            return keyed.finish(Outcome::NotStored, rejection);
+        }
+    };
+    if let Err(e) = protocol::complete(&store, &mut tx, &claim.id, token, &captured.stored).await {
+        tracing::error!(error = %e, "storing the response failed");
+        let answer = match e {
+            protocol::Error::Store(e) => store_unavailable(&e),
+            _ => IdempotencyRejection::Internal.into_response(),
+        };
+        return keyed.finish(Outcome::StoreError, answer);
+    }
+    if let Err(e) = store.commit(tx).await {
+        // The commit may or may not have happened; a retry replays or runs afresh.
+        return keyed.finish(Outcome::StoreError, store_unavailable(&e));
+    }
+    keyed.finish(Outcome::Executed, captured.into_response(Some(expires_at)))
+}
+
+/// Runs the handler with `tx` in its request; returns the response and the transaction
+/// back, or the answer to give when the handler panicked or kept the transaction.
+async fn run_handler<S, I>(
+    inner: I,
+    mut req: Request<Body>,
+    tx: S::Transaction,
+) -> Result<(Response, S::Transaction), IdempotencyRejection>
+where
+    S: Store,
+    I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    I::Future: Send + 'static,
+{
+    let slot: Slot<S> = Arc::new(Mutex::new(Some(tx)));
+    req.extensions_mut().insert(TxSlot::<S>(slot.clone()));
+    let response = AssertUnwindSafe(call(inner, req))
+        .catch_unwind()
+        .await
+        // The transaction is dropped with the slot: rolled back.
+        .map_err(|_| IdempotencyRejection::Internal)?;
+    // The handler is done, so its guard is gone, unless it moved the `Tx` somewhere that
+    // outlives it: then nothing can be committed safely.
+    let tx = slot.try_lock().ok().and_then(|mut guard| guard.take());
+    tx.map(|tx| (response, tx))
+        .ok_or(IdempotencyRejection::TransactionUnavailable)
+}
+
+/// A request without a key (on an `optional` or `off` route): the handler still gets a
+/// transaction, committed under the same rule as keyed requests.
+pub(super) async fn unkeyed<S, I>(
+    layer: IdempotencyLayer<S>,
+    inner: I,
+    req: Request<Body>,
+) -> Response
+where
+    S: Store,
+    I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    I::Future: Send + 'static,
+{
+    let tx = match layer.store.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return store_unavailable(&e),
+    };
+    let (response, tx) = match run_handler::<S, I>(inner, req, tx).await {
+        Ok(done) => done,
+        Err(rejection) => return rejection.into_response(),
+    };
+    let stored = layer.config.answers.classify(response.status().as_u16());
+    if stored == AfterEffect::Complete
+        && let Err(e) = layer.store.commit(tx).await
+    {
+        return store_unavailable(&e);
+    }
+    response
+}

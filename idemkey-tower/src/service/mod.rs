@@ -1,0 +1,241 @@
+//! The middleware: one request's way through the layer.
+//!
+//! - this file: the `Service`, the key, and the claim every keyed request makes (tenant →
+//!   scope → record id → fingerprint), whatever the mode;
+//! - [`local`]: local mode, the claim and the handler's effect in one transaction;
+//! - [`external`]: external mode, the owner flow after a reservation (shared by
+//!   `idemkey gateway`, which is this mode plus a proxy handler);
+//! - [`stored`]: what is kept of an answer, and the replay;
+//! - [`body`]: bounded request bodies.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::MatchedPath;
+use axum::response::{IntoResponse, Response};
+use futures::future::BoxFuture;
+use http::{HeaderValue, Method, Request, header};
+use idemkey_core::protocol::{Claim, ClaimOutcome};
+use idemkey_core::{
+    HEADER_NAME, IdempotencyKey, RequestParts, Scope, Store, StoreError, fingerprint,
+};
+use tower_service::Service;
+use tracing::Instrument;
+
+use crate::layer::Config;
+use crate::metrics::Outcome;
+use crate::{IdempotencyLayer, IdempotencyRejection, KeyRequirement, Tenant};
+
+mod body;
+mod external;
+mod local;
+mod stored;
+
+pub use self::stored::{EXPIRES_HEADER, REPLAYED_HEADER, stored_headers};
+
+/// How long a client is asked to wait before retrying after a 409 or 503.
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The [`Service`] built by [`IdempotencyLayer`].
+#[derive(Debug, Clone)]
+pub struct IdempotencyService<S, I> {
+    pub(crate) inner: I,
+    pub(crate) layer: IdempotencyLayer<S>,
+}
+
+impl<S, I> Service<Request<Body>> for IdempotencyService<S, I>
+where
+    S: Store,
+    I: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    I::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        // The ready service goes with this request; the clone waits for the next one.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let layer = self.layer.clone();
+        Box::pin(async move { Ok(handle(layer, inner, req).await) })
+    }
+}
+
+/// Whether `method` is safe (`GET`, `HEAD`, `OPTIONS`, `TRACE`): never keyed.
+pub fn is_safe(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+    )
+}
+
+async fn handle<S, I>(layer: IdempotencyLayer<S>, inner: I, req: Request<Body>) -> Response
+where
+    S: Store,
+    I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    I::Future: Send + 'static,
+{
+    let config = layer.config.clone();
+    if is_safe(req.method()) {
+        return call(inner, req).await;
+    }
+    let key = match config.requirement {
+        KeyRequirement::Off => None,
+        _ => {
+            let fields = req.headers().get_all(HEADER_NAME);
+            match IdempotencyKey::from_fields(fields.iter().map(HeaderValue::as_bytes)) {
+                Ok(key) => key,
+                Err(e) => return refused(&config, IdempotencyRejection::KeyInvalid(e)),
+            }
+        }
+    };
+    match key {
+        Some(key) => Keyed::new(layer, key).run(inner, req).await,
+        None if config.requirement == KeyRequirement::Required => {
+            refused(&config, IdempotencyRejection::KeyMissing)
+        }
+        // Without a key there is nothing to reserve: the handler calls out unprotected.
+        None if config.external.is_some() => call(inner, req).await,
+        None => local::unkeyed(layer, inner, req).await,
+    }
+}
+
+/// A keyed request refused before any claim.
+fn refused(config: &Config, rejection: IdempotencyRejection) -> Response {
+    config.metrics.attempt();
+    config.metrics.record(Outcome::Rejected, Duration::ZERO);
+    rejection.into_response()
+}
+
+async fn call<I>(mut inner: I, req: Request<Body>) -> Response
+where
+    I: Service<Request<Body>, Response = Response, Error = Infallible>,
+{
+    match inner.call(req).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    }
+}
+
+/// The answer when the store fails: 503 with `Retry-After`, `store-busy` when a lock was not
+/// granted in time (on SQLite that lock is the whole database's, held by any request, so it
+/// says nothing about this key), `store-unavailable` otherwise.
+fn store_unavailable(error: &StoreError) -> Response {
+    tracing::warn!(error = %error, source = ?std::error::Error::source(error), "idempotency store failed");
+    match error {
+        StoreError::Busy(_) => IdempotencyRejection::StoreBusy {
+            retry_after: RETRY_AFTER,
+        },
+        _ => IdempotencyRejection::StoreUnavailable {
+            retry_after: RETRY_AFTER,
+        },
+    }
+    .into_response()
+}
+
+/// One keyed request on its way through the layer.
+struct Keyed<S> {
+    layer: IdempotencyLayer<S>,
+    config: Arc<Config>,
+    key: IdempotencyKey,
+    started: Instant,
+}
+
+impl<S: Store> Keyed<S> {
+    fn new(layer: IdempotencyLayer<S>, key: IdempotencyKey) -> Self {
+        let config = layer.config.clone();
+        config.metrics.attempt();
+        Self {
+            layer,
+            config,
+            key,
+            started: Instant::now(),
+        }
+    }
+
+    fn finish(&self, outcome: Outcome, response: impl IntoResponse) -> Response {
+        self.config.metrics.record(outcome, self.started.elapsed());
+        tracing::Span::current().record("outcome", tracing::field::debug(outcome));
+        response.into_response()
+    }
+
+    fn answer_existing(&self, outcome: ClaimOutcome) -> Response {
+        let (outcome, response) = stored::answer_claim(outcome, &self.key, self.config.clock.now());
+        self.finish(outcome, response)
+    }
+
+    /// Tenant → scope → record id, then the body and the fingerprint: the claim, made by
+    /// the mode of the route.
+    async fn run<I>(self, inner: I, req: Request<Body>) -> Response
+    where
+        I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+        I::Future: Send + 'static,
+    {
+        let route = match (&self.config.route, req.extensions().get::<MatchedPath>()) {
+            (Some(route), _) => route.clone(),
+            (None, Some(path)) => path.as_str().to_owned(),
+            (None, None) => req.uri().path().to_owned(),
+        };
+        let tenant = req
+            .extensions()
+            .get::<Tenant>()
+            .map_or_else(|| Tenant::DEFAULT.to_owned(), |t| t.0.clone());
+        let scope = Scope::new(tenant, req.method().as_str(), &route);
+        let id = self.config.hasher.record_id(&scope, &self.key);
+        let span = tracing::info_span!(
+            "idempotency",
+            key_id = %id.key_id(),
+            route = %scope.route,
+            outcome = tracing::field::Empty,
+        );
+        async move {
+            let (parts, body) = req.into_parts();
+            let config = &self.config;
+            let bytes = match body::read_body(&parts.headers, body, config.max_request_body).await {
+                Ok(bytes) => bytes,
+                Err(rejection) => return self.finish(Outcome::Rejected, rejection),
+            };
+            let content_type = parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok());
+            let fingerprint = fingerprint(
+                &RequestParts {
+                    method: parts.method.as_str(),
+                    route: &route,
+                    path_params: &[("path", parts.uri.path())],
+                    query: parts.uri.query(),
+                    content_type,
+                    body: &bytes,
+                },
+                &config.fingerprint,
+            );
+            let sealed_key = match (&config.external, &config.seal) {
+                (Some(_), Some(seal)) => Some((seal.0)(self.key.as_str(), &id)),
+                _ => None,
+            };
+            let claim = Claim {
+                id,
+                fingerprint,
+                now: config.clock.now(),
+                retention: config.retention,
+                sealed_key,
+            };
+            let req = Request::from_parts(parts, Body::from(bytes));
+            match config.external {
+                Some(lease) => external::run(self, inner, req, claim, lease).await,
+                None => local::run(self, inner, req, claim).await,
+            }
+        }
+        .instrument(span)
+        .await
+    }
+}

@@ -1,0 +1,151 @@
+//! Stored responses: what is kept of an answer, how it is replayed, and the answers to a
+//! claim this attempt did not win.
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use idemkey_core::protocol::ClaimOutcome;
+use idemkey_core::{IdempotencyKey, StoredResponse, Timestamp};
+
+use crate::layer::{Config, STATUS_PATH};
+use crate::{IdempotencyRejection, Outcome, RETRY_AFTER};
+
+/// The header added to replayed responses.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+/// The header that tells until when the key's outcome is kept (an HTTP date).
+pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
+
+/// A handler's answer, read whole so that it can be stored and still be sent.
+pub(super) struct Captured {
+    head: http::response::Parts,
+    body: Bytes,
+    /// What is stored and replayed.
+    pub(super) stored: StoredResponse,
+}
+
+impl Captured {
+    /// The answer to send: with `Idempotency-Key-Expires` when it was stored.
+    pub(super) fn into_response(mut self, stored_until: Option<Timestamp>) -> Response {
+        if let Some(expires_at) = stored_until {
+            add_expiry(&mut self.head.headers, expires_at);
+        }
+        Response::from_parts(self.head, Body::from(self.body))
+    }
+}
+
+/// Reads the handler's answer for storing, in both modes: its status, the allowlisted headers
+/// and the body, at most the route's limit (past it: 500 `response-too-large`).
+pub(super) async fn capture_outcome(
+    response: Response,
+    config: &Config,
+) -> Result<Captured, IdempotencyRejection> {
+    let (head, body) = response.into_parts();
+    let limit = config.max_stored_response;
+    let body = axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| IdempotencyRejection::ResponseTooLarge { limit })?;
+    let stored = StoredResponse {
+        status: head.status.as_u16(),
+        headers: stored_headers(&head.headers, &config.stored_headers),
+        body: body.to_vec(),
+    };
+    Ok(Captured { head, body, stored })
+}
+
+/// The headers that are stored and replayed: `Content-Type`, `Location`, `ETag` and the
+/// route's own (`extra`).
+pub fn stored_headers(headers: &HeaderMap, extra: &[HeaderName]) -> Vec<(String, Vec<u8>)> {
+    let base = [header::CONTENT_TYPE, header::LOCATION, header::ETAG];
+    base.iter()
+        .chain(extra)
+        .flat_map(|name| {
+            headers
+                .get_all(name)
+                .iter()
+                .map(move |v| (name.as_str().to_owned(), v.as_bytes().to_vec()))
+        })
+        .collect()
+}
+
+/// The answer to a claim this attempt did not win: a replay, 422 `key-reused`, 409
+/// `request-in-flight` (with `Retry-After` from the owner's lease) or 409 `outcome-unknown`,
+/// with the metrics outcome it counts as.
+pub(super) fn answer_claim(
+    outcome: ClaimOutcome,
+    key: &IdempotencyKey,
+    now: Timestamp,
+) -> (Outcome, Response) {
+    match outcome {
+        ClaimOutcome::Replay {
+            response,
+            expires_at,
+        } => (Outcome::Replayed, replay(response, expires_at)),
+        ClaimOutcome::Mismatch(m) => (
+            Outcome::Mismatched,
+            IdempotencyRejection::KeyReused(m).into_response(),
+        ),
+        ClaimOutcome::InFlight { lease_expires_at } => {
+            let retry_after = lease_expires_at
+                .map(|t| now.until(t))
+                .filter(|d| !d.is_zero())
+                .unwrap_or(RETRY_AFTER);
+            (
+                Outcome::InFlight,
+                IdempotencyRejection::InFlight { retry_after }.into_response(),
+            )
+        }
+        ClaimOutcome::OutcomeUnknown => (
+            Outcome::Indeterminate,
+            IdempotencyRejection::OutcomeUnknown {
+                status_url: status_url(key),
+            }
+            .into_response(),
+        ),
+        ClaimOutcome::Owned { .. } => (
+            Outcome::StoreError,
+            IdempotencyRejection::Internal.into_response(),
+        ),
+    }
+}
+
+/// A replay of `stored`: its status, headers and body byte for byte, with
+/// `Idempotent-Replayed: true` and `Idempotency-Key-Expires`.
+fn replay(stored: StoredResponse, expires_at: Timestamp) -> Response {
+    let mut response = Response::new(Body::from(stored.body));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    let headers = response.headers_mut();
+    for (name, value) in stored.headers {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(&value),
+        ) {
+            headers.append(name, value);
+        }
+    }
+    headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    add_expiry(headers, expires_at);
+    response
+}
+
+/// Adds `Idempotency-Key-Expires: <HTTP date>` to a keyed response.
+fn add_expiry(headers: &mut HeaderMap, expires_at: Timestamp) {
+    let at = expires_at.to_system_time();
+    if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(at)) {
+        headers.insert(EXPIRES_HEADER, value);
+    }
+}
+
+/// The status resource URL of `key` (percent-encoded).
+pub(crate) fn status_url(key: &IdempotencyKey) -> String {
+    let mut url = format!("{STATUS_PATH}/");
+    for b in key.as_str().bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            url.push(b as char);
+        } else {
+            url.push_str(&format!("%{b:02X}"));
+        }
+    }
+    url
+}
