@@ -326,6 +326,6 @@ async fn send_upstream(
 
 /// `headers` without the hop-by-hop ones.
 fn strip_hop_by_hop(mut headers: HeaderMap) -> HeaderMap {
-    idemkey_tower::strip_hop_by_hop(&mut headers);
+    idemkey_fault_proxy::strip_hop_by_hop(&mut headers);
     headers
 }

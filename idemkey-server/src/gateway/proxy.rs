@@ -17,10 +17,11 @@ use idemkey_core::{
     FingerprintSpec, HEADER_NAME, IdempotencyKey, RequestParts, Scope, StoredResponse, Timestamp,
     fingerprint,
 };
+use idemkey_fault_proxy::strip_hop_by_hop;
 use idemkey_tower::{
     IdempotencyRejection, KeyRequirement, Outcome, RETRY_AFTER, Tenant, add_expiry, answer_claim,
     is_safe, keep_alive, read_body, reserve_waiting, settle, status_url, store_unavailable,
-    stored_headers, strip_hop_by_hop,
+    stored_headers,
 };
 use tokio::net::TcpStream;
 use tracing::Instrument;
