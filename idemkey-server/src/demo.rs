@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 use futures::StreamExt;
 use idemkey_client::{IdempotentClient, Operation, RetryPolicy};
-use idemkey_testkit::{FaultConfig, FaultProxy};
+use idemkey_fault_proxy::{FaultConfig, FaultProxy};
 use idemkey_tower::{InFlightPolicy, Metrics};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;

@@ -3,12 +3,13 @@
 //! - [`conformance`]: the behaviours every idemkey store must show, run against each store
 //!   with [`conformance_tests!`];
 //! - a throwaway PostgreSQL server for tests ([`postgres_url`], [`fresh_database_url`]),
-//!   started from the installed binaries when `DATABASE_URL` is not set.
+//!   started from the installed binaries when `DATABASE_URL` is not set;
+//! - [`FaultProxy`], re-exported from `idemkey-fault-proxy` (where it lives so that the
+//!   `idemkey demo` command can use it without the release binary linking this crate).
 
 pub mod conformance;
 mod postgres;
-mod proxy;
 
 pub use self::conformance::Harness;
 pub use self::postgres::*;
-pub use self::proxy::{FaultConfig, FaultProxy, ProxyStats};
+pub use idemkey_fault_proxy::{FaultConfig, FaultProxy, ProxyStats};

@@ -19,7 +19,6 @@
 //! in `docs/contract.md`. See [`IdempotencyLayer`] for an example.
 
 mod external;
-mod hop;
 mod layer;
 mod metrics;
 mod policy;
@@ -29,7 +28,6 @@ mod status;
 mod tx;
 
 pub use self::external::External;
-pub use self::hop::strip_hop_by_hop;
 pub use self::layer::{IdempotencyLayer, STATUS_PATH};
 pub use self::metrics::{Metrics, Outcome, Reconciled};
 pub use self::policy::{InFlightPolicy, KeyRequirement};

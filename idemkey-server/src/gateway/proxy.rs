@@ -15,9 +15,9 @@ use http::{HeaderValue, header};
 use http_body_util::{BodyExt, Limited};
 use hyper_util::rt::TokioIo;
 use idemkey_core::HEADER_NAME;
+use idemkey_fault_proxy::strip_hop_by_hop;
 use idemkey_tower::{
     External, IdempotencyLayer, IdempotencyRejection, KeyRequirement, RETRY_AFTER, is_safe,
-    strip_hop_by_hop,
 };
 use tokio::net::TcpStream;
 use tower::{Layer, ServiceExt};

@@ -10,7 +10,7 @@ use axum::body::Bytes;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::IntoResponse;
-use idemkey_testkit::{FaultConfig, FaultProxy, ProxyStats};
+use idemkey_fault_proxy::{FaultConfig, FaultProxy, ProxyStats};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

@@ -21,6 +21,8 @@ use rand::{Rng, SeedableRng};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
 
+use crate::strip_hop_by_hop;
+
 /// Which faults a [`FaultProxy`] injects, and how often.
 ///
 /// Every rate is a probability from `0.0` (never) to `1.0` (always), drawn independently
@@ -274,7 +276,7 @@ async fn handle(
     *upstream_request.uri_mut() = path
         .parse::<Uri>()
         .unwrap_or_else(|_| Uri::from_static("/"));
-    *upstream_request.headers_mut() = strip_hop_by_hop(parts.headers);
+    *upstream_request.headers_mut() = without_hop_by_hop(parts.headers);
     if let Ok(host) = HeaderValue::from_str(&shared.upstream.to_string()) {
         upstream_request.headers_mut().insert(header::HOST, host);
     }
@@ -320,12 +322,12 @@ async fn send_upstream(
     };
     let (response, _) = tokio::join!(exchange, connection);
     let (mut parts, body) = response?.into_parts();
-    parts.headers = strip_hop_by_hop(parts.headers);
+    parts.headers = without_hop_by_hop(parts.headers);
     Ok(Response::from_parts(parts, Full::new(body)))
 }
 
 /// `headers` without the hop-by-hop ones.
-fn strip_hop_by_hop(mut headers: HeaderMap) -> HeaderMap {
-    idemkey_tower::strip_hop_by_hop(&mut headers);
+fn without_hop_by_hop(mut headers: HeaderMap) -> HeaderMap {
+    strip_hop_by_hop(&mut headers);
     headers
 }
