@@ -44,6 +44,25 @@ enum Behaviour {
     DropBeforeEffect,
     /// This status, without an effect.
     Fail(u16),
+    /// The effect, then this status.
+    EffectThenFail(u16),
+}
+
+/// Rings on every change of the ledger, so a test waits for what it needs to see instead of
+/// sleeping.
+#[derive(Debug)]
+struct Bell(tokio::sync::watch::Sender<u64>);
+
+impl Default for Bell {
+    fn default() -> Self {
+        Self(tokio::sync::watch::channel(0).0)
+    }
+}
+
+impl Bell {
+    fn ring(&self) {
+        self.0.send_modify(|n| *n += 1);
+    }
 }
 
 #[derive(Debug, Default)]
@@ -56,6 +75,9 @@ struct Ledger {
     next: HashMap<String, Behaviour>,
     /// Requests that reached the upstream, by method and path.
     requests: Vec<String>,
+    /// Answers per key whose handler ran to its end (sent or not, the client gone or not).
+    answered: HashMap<String, u32>,
+    bell: Bell,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -95,6 +117,38 @@ impl Upstream {
             ledger,
             base: format!("http://{addr}"),
         }
+    }
+
+    /// Waits (at most 10 s) until `done` holds of the ledger.
+    async fn until(&self, what: &str, done: impl Fn(&Ledger) -> bool) {
+        let mut bell = self.ledger.lock().unwrap().bell.0.subscribe();
+        let waiting = async {
+            loop {
+                if done(&self.ledger.lock().unwrap()) {
+                    return;
+                }
+                bell.changed().await.expect("the upstream is alive");
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .unwrap_or_else(|_| panic!("the upstream never showed: {what}"));
+    }
+
+    /// Waits until the upstream has seen `n` effects of `key`.
+    async fn until_effects(&self, key: &str, n: u32) {
+        self.until(&format!("{n} effects of {key}"), |l| {
+            l.effects.get(key).copied().unwrap_or(0) >= n
+        })
+        .await;
+    }
+
+    /// Waits until the upstream's handler for `key` has finished `n` times.
+    async fn until_answered(&self, key: &str, n: u32) {
+        self.until(&format!("{n} answers for {key}"), |l| {
+            l.answered.get(key).copied().unwrap_or(0) >= n
+        })
+        .await;
     }
 
     fn effects(&self, key: &str) -> u32 {
@@ -162,6 +216,7 @@ async fn create(State(ledger): State<Shared>, headers: HeaderMap, body: Bytes) -
         // The effect, before any answer.
         let n = ledger.effects.values().sum::<u32>() + 1;
         *ledger.effects.entry(key.clone()).or_default() += 1;
+        ledger.bell.ring();
         let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         let transfer = json!({
             "id": format!("tr_{n}"),
@@ -172,9 +227,25 @@ async fn create(State(ledger): State<Shared>, headers: HeaderMap, body: Bytes) -
         ledger.transfers.insert(key.clone(), transfer.clone());
         (behaviour, transfer)
     };
+    // The upstream finishes its work even when the caller hangs up (its own task).
+    let finishing = {
+        let (ledger, key) = (ledger.clone(), key.clone());
+        tokio::spawn(async move {
+            if let Some(Behaviour::Delay(d)) = behaviour {
+                tokio::time::sleep(d).await; // the upstream's own slowness
+            }
+            let mut ledger = ledger.lock().unwrap();
+            *ledger.answered.entry(key).or_default() += 1;
+            ledger.bell.ring();
+        })
+    };
+    finishing.await.expect("the upstream's work");
     match behaviour {
-        Some(Behaviour::Delay(d)) => tokio::time::sleep(d).await,
         Some(Behaviour::DropAfterEffect) => return broken_body(),
+        Some(Behaviour::EffectThenFail(status)) => {
+            let status = StatusCode::from_u16(status).expect("status");
+            return (status, "upstream failed after its effect").into_response();
+        }
         _ => {}
     }
     let location = format!(
@@ -504,7 +575,7 @@ async fn read(response: reqwest::Response) -> Result<Answer, reqwest::Error> {
 }
 
 /// Retries (bounded) until the answer is not a 409 in-flight / 503; returns it.
-async fn settle(client: &Client, key: &str, amount: i64) -> Answer {
+async fn until_final(client: &Client, key: &str, amount: i64) -> Answer {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let answer = client.transfer(key, amount).await;
@@ -515,18 +586,6 @@ async fn settle(client: &Client, key: &str, amount: i64) -> Answer {
             return answer;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// Waits (bounded) until the upstream has seen `n` effects of `key`.
-async fn until_effects(upstream: &Upstream, key: &str, n: u32) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while upstream.effects(key) < n {
-        assert!(
-            Instant::now() < deadline,
-            "{key}: no effect reached the upstream"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -664,7 +723,7 @@ async fn killed_before_forwarding_is_taken_over() {
 
     let second = db.gateway(&upstream.base, &["--lease", "1s"]).await;
     let started = Instant::now();
-    let answer = settle(&second.client(), "crash-before", 7).await;
+    let answer = until_final(&second.client(), "crash-before", 7).await;
     assert_eq!(answer.status, 201, "{}", answer.text());
     assert!(!answer.replayed(), "the retry executed");
     assert!(started.elapsed() < Duration::from_secs(5));
@@ -676,7 +735,7 @@ async fn killed_before_forwarding_is_taken_over() {
 }
 
 /// Killed after forwarding: once the lease lapses, retries get 409 outcome-unknown and never
-/// reach the upstream again; the reconciler settles the operation from the upstream's own
+/// reach the upstream again; the reconciler resolves the operation from the upstream's own
 /// record, retries then replay that, and `keys show` has the audit entry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_after_forwarding_is_unknown_until_reconciled() {
@@ -686,9 +745,8 @@ async fn killed_after_forwarding_is_unknown_until_reconciled() {
     let mut first = db.gateway(&upstream.base, &["--lease", "1s"]).await;
     let client = first.client();
     let pending = tokio::spawn(async move { client.try_transfer("crash-after", 9).await });
-    until_effects(&upstream, "crash-after", 1).await;
-    tokio::time::sleep(Duration::from_millis(400)).await; // the upstream is still working
-    first.kill9();
+    upstream.until_effects("crash-after", 1).await;
+    first.kill9(); // the upstream is still working on its answer
     assert!(pending.await.expect("task").is_err());
     assert_eq!(upstream.effects("crash-after"), 1, "the request was sent");
 
@@ -709,7 +767,7 @@ async fn killed_after_forwarding_is_unknown_until_reconciled() {
         .await;
     assert_eq!(status.status, 200, "{}", status.text());
     assert_eq!(status.json()["records"][0]["state"], "indeterminate");
-    tokio::time::sleep(Duration::from_millis(1500)).await; // the upstream's late answer
+    upstream.until_answered("crash-after", 1).await; // the late answer went nowhere
     assert_eq!(upstream.effects("crash-after"), 1, "never re-executed");
     drop(second);
 
@@ -855,7 +913,7 @@ async fn timeouts_and_resets_are_unknown_not_re_executed() {
                 .assert_problem(409, "outcome-unknown");
         }
     }
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    upstream.until_answered("slow", 1).await;
     assert_eq!(upstream.effects("slow"), 1);
     assert_eq!(upstream.effects("reset"), 1);
     assert_eq!(
@@ -916,7 +974,7 @@ async fn stale_owner_cannot_overwrite_the_newer_outcome() {
     until_reserved(&stale.client(), "stale").await;
     stale.signal("-STOP");
     let fresh = db.gateway(&upstream.base, &["--lease", "1s"]).await;
-    let answer = settle(&fresh.client(), "stale", 4).await;
+    let answer = until_final(&fresh.client(), "stale", 4).await;
     assert_eq!(answer.status, 201, "{}", answer.text());
     assert!(!answer.replayed());
     stale.signal("-CONT");
@@ -1041,7 +1099,7 @@ async fn in_flight_retries_wait_or_are_refused() {
     upstream.on_next("busy", Behaviour::Delay(Duration::from_millis(1200)));
     let client = waiting.client();
     let first = tokio::spawn(async move { client.transfer("busy", 2).await });
-    until_effects(&upstream, "busy", 1).await; // the first attempt is at the upstream
+    upstream.until_effects("busy", 1).await; // the first attempt is at the upstream
     for gw in [&rejecting, &short] {
         let answer = gw.client().transfer("busy", 2).await;
         answer.assert_problem(409, "request-in-flight");
@@ -1072,9 +1130,11 @@ async fn in_flight_retries_wait_or_are_refused() {
     assert_eq!(upstream.effects("busy"), 1);
 }
 
-/// An upstream 5xx releases the key and passes through (the retry executes); with
-/// `--store-5xx` it is stored and replayed. An answer too large to store is an unknown
-/// outcome.
+/// The after-effect table through the gateway. An upstream 5xx came after the request left:
+/// by default the outcome is unknown (409 `outcome-unknown` after, never sent again), even
+/// when this upstream did nothing; a route whose owner knows better says so
+/// (`502=release`, `--answers 5xx=store`). An answer too large to store is an unknown
+/// outcome too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_errors_and_oversized_answers() {
     let upstream = Upstream::start();
@@ -1084,18 +1144,31 @@ async fn server_errors_and_oversized_answers() {
     let failed = gw.client().transfer("flaky", 1).await;
     assert_eq!(failed.status, 502);
     assert_eq!(failed.text(), "upstream failed before any effect");
-    let executed = gw.client().transfer("flaky", 1).await;
+    gw.client()
+        .transfer("flaky", 1)
+        .await
+        .assert_problem(409, "outcome-unknown");
+    assert_eq!(upstream.requests().len(), 1, "never sent again");
+
+    let releasing = db
+        .gateway(&upstream.base, &["--route", "POST * 502=release"])
+        .await;
+    upstream.on_next("released", Behaviour::Fail(502));
+    assert_eq!(releasing.client().transfer("released", 1).await.status, 502);
+    let executed = releasing.client().transfer("released", 1).await;
     assert_eq!(executed.status, 201, "{}", executed.text());
     assert!(!executed.replayed());
-    assert_eq!(upstream.effects("flaky"), 1);
+    assert_eq!(upstream.effects("released"), 1);
 
-    let storing = db.gateway(&upstream.base, &["--store-5xx"]).await;
+    let storing = db
+        .gateway(&upstream.base, &["--answers", "5xx=store"])
+        .await;
     upstream.on_next("broken", Behaviour::Fail(503));
     assert_eq!(storing.client().transfer("broken", 1).await.status, 503);
     let replay = storing.client().transfer("broken", 1).await;
     assert_eq!(replay.status, 503);
     assert!(replay.replayed());
-    assert_eq!(upstream.requests().len(), 3);
+    assert_eq!(upstream.requests().len(), 4);
 
     let small = db
         .gateway(&upstream.base, &["--max-stored-response", "16"])
@@ -1111,6 +1184,67 @@ async fn server_errors_and_oversized_answers() {
         .await
         .assert_problem(409, "outcome-unknown");
     assert_eq!(upstream.effects("big"), 1);
+}
+
+/// Seed 004's rule through the gateway: an upstream that recorded its effect and then
+/// answered 500, or reset the connection after its effect, is never sent the request again;
+/// the retry gets the stored 500 or 409 `outcome-unknown`, and the upstream counts one
+/// effect. So does an owner whose client hung up mid-flight: the gateway finishes its work
+/// and the retry replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_after_the_effect_are_never_re_executed() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db.gateway(&upstream.base, &[]).await;
+    upstream.on_next("failed-after", Behaviour::EffectThenFail(500));
+    upstream.on_next("reset-after", Behaviour::DropAfterEffect);
+    let first = gw.client().transfer("failed-after", 1).await;
+    assert_eq!(first.status, 500, "{}", first.text());
+    gw.client()
+        .transfer("reset-after", 1)
+        .await
+        .assert_problem(504, "upstream-outcome-unknown");
+    for key in ["failed-after", "reset-after"] {
+        for _ in 0..3 {
+            gw.client()
+                .transfer(key, 1)
+                .await
+                .assert_problem(409, "outcome-unknown");
+        }
+        assert_eq!(upstream.effects(key), 1, "{key}: one effect");
+    }
+
+    // With a stored 500 the retry gets that 500, replayed.
+    let storing = db
+        .gateway(&upstream.base, &["--answers", "500=store"])
+        .await;
+    upstream.on_next("stored-500", Behaviour::EffectThenFail(500));
+    assert_eq!(storing.client().transfer("stored-500", 1).await.status, 500);
+    let replay = storing.client().transfer("stored-500", 1).await;
+    assert_eq!(replay.status, 500);
+    assert!(replay.replayed());
+    assert_eq!(upstream.effects("stored-500"), 1);
+
+    // The client hangs up while the upstream works: the owner goes on and stores the answer.
+    upstream.on_next("hang-up", Behaviour::Delay(Duration::from_millis(800)));
+    let impatient = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .expect("client");
+    let gone = impatient
+        .post(format!("{}{TRANSFERS}", gw.client().base))
+        .bearer_auth(TOKEN)
+        .header("idempotency-key", "hang-up")
+        .json(&json!({ "amount": 1, "to": "acct-9" }))
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client gave up");
+    upstream.until_answered("hang-up", 1).await;
+    let retry = gw.client().transfer("hang-up", 1).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert!(retry.replayed(), "the owner finished without its client");
+    assert_eq!(upstream.effects("hang-up"), 1);
 }
 
 /// A raw TCP upstream that takes each request and then, without answering, closes the

@@ -5,6 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use idemkey_core::{AfterEffect, AnswerRule};
+use tokio::sync::{Notify, Semaphore};
+
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -18,13 +21,35 @@ use serde_json::Value;
 use tempfile::TempDir;
 use tower::ServiceExt;
 
-#[derive(Clone, Default)]
+#[derive(Clone)]
 struct Bank {
     calls: Arc<AtomicUsize>,
+    /// Told when a held call has reached the bank.
+    entered: Arc<Notify>,
+    /// A held call waits here for a permit.
+    proceed: Arc<Semaphore>,
 }
 
-/// Steered by the body: `{"before": "fail"|"ok", "after": "ok"|"unknown"|"panic"|"502",
-/// "sleep_ms": N}`. "before" happens before the point of no return, "after" after the call.
+impl Default for Bank {
+    fn default() -> Self {
+        Self {
+            calls: Arc::default(),
+            entered: Arc::default(),
+            proceed: Arc::new(Semaphore::new(0)),
+        }
+    }
+}
+
+impl Bank {
+    /// Lets `n` held calls answer.
+    fn release(&self, n: usize) {
+        self.proceed.add_permits(n);
+    }
+}
+
+/// Steered by the body: `{"before": "fail"|"ok", "after": "ok"|"unknown"|"panic"|STATUS,
+/// "hold": true}`. "before" happens before the point of no return; the bank counts the call
+/// (its effect), then, when held, waits for [`Bank::release`]; "after" is what comes back.
 async fn transfer(State(bank): State<Bank>, op: External<SqliteStore>, body: Bytes) -> Response {
     let steer: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     if steer["before"] == "fail" {
@@ -34,16 +59,20 @@ async fn transfer(State(bank): State<Bank>, op: External<SqliteStore>, body: Byt
         return rejection.into_response();
     }
     let n = bank.calls.fetch_add(1, Ordering::SeqCst) + 1;
-    if let Some(ms) = steer["sleep_ms"].as_u64() {
-        tokio::time::sleep(Duration::from_millis(ms)).await;
+    if steer["hold"] == true {
+        bank.entered.notify_one();
+        bank.proceed.acquire().await.expect("open").forget();
     }
-    match steer["after"].as_str() {
-        Some("unknown") => {
+    match &steer["after"] {
+        Value::String(s) if s == "unknown" => {
             op.outcome_unknown();
             (StatusCode::GATEWAY_TIMEOUT, "the bank did not answer").into_response()
         }
-        Some("panic") => panic!("the handler failed after calling out"),
-        Some("502") => (StatusCode::BAD_GATEWAY, "the bank failed").into_response(),
+        Value::String(s) if s == "panic" => panic!("the handler failed after calling out"),
+        Value::Number(status) => {
+            let status = StatusCode::from_u16(status.as_u64().unwrap() as u16).unwrap();
+            (status, "the bank answered this after its effect").into_response()
+        }
         _ => (StatusCode::CREATED, format!("{{\"transfer\":{n}}}")).into_response(),
     }
 }
@@ -51,6 +80,14 @@ async fn transfer(State(bank): State<Bank>, op: External<SqliteStore>, body: Byt
 async fn setup(
     lease: Duration,
     policy: InFlightPolicy,
+) -> (TempDir, SqliteStore, Bank, Router, Metrics) {
+    setup_with(lease, policy, AnswerRule::default()).await
+}
+
+async fn setup_with(
+    lease: Duration,
+    policy: InFlightPolicy,
+    answers: AnswerRule,
 ) -> (TempDir, SqliteStore, Bank, Router, Metrics) {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("t.db").display());
@@ -61,6 +98,7 @@ async fn setup(
     let layer = IdempotencyLayer::new(store.clone(), KeyHasher::new(b"secret"))
         .external(lease)
         .in_flight(policy)
+        .answers(answers)
         .metrics(metrics.clone());
     let app = Router::new()
         .route("/transfers", post(transfer).layer(layer))
@@ -149,7 +187,7 @@ async fn failures_after_the_point_of_no_return_are_indeterminate() {
     let (_dir, store, bank, app, _metrics) = setup(LEASE, InFlightPolicy::default()).await;
     let panicked = send(&app, "t-4", r#"{"after":"panic"}"#).await;
     assert_eq!(panicked.0, StatusCode::INTERNAL_SERVER_ERROR);
-    let failed = send(&app, "t-5", r#"{"after":"502"}"#).await;
+    let failed = send(&app, "t-5", r#"{"after":502}"#).await;
     assert_eq!(failed.0, StatusCode::BAD_GATEWAY);
     assert_eq!(
         states(&store).await,
@@ -160,30 +198,35 @@ async fn failures_after_the_point_of_no_return_are_indeterminate() {
         StatusCode::CONFLICT
     );
     assert_eq!(
-        send(&app, "t-5", r#"{"after":"502"}"#).await.0,
+        send(&app, "t-5", r#"{"after":502}"#).await.0,
         StatusCode::CONFLICT
     );
     assert_eq!(bank.calls.load(Ordering::SeqCst), 2, "neither ran twice");
 }
 
-/// A lease of 300 ms survives a 1.2 s call because the layer renews it: a retry arriving
-/// meanwhile waits and replays, instead of finding a lapsed lease past the point of no return
-/// (which would make the operation indeterminate).
+/// A lease of 300 ms survives a long call because the layer renews it: a retry arriving
+/// after the lease would have lapsed twice waits and replays, instead of finding a lapsed
+/// lease past the point of no return (which would make the operation indeterminate).
+/// Waiting out the real lease is the point of this test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lease_is_renewed_while_the_handler_works() {
-    let (_dir, store, bank, app, _metrics) = setup(
-        Duration::from_millis(300),
-        InFlightPolicy::Wait(Duration::from_secs(5)),
-    )
-    .await;
-    let body = r#"{"sleep_ms":1200}"#;
+    let lease = Duration::from_millis(300);
+    let (_dir, store, bank, app, _metrics) =
+        setup(lease, InFlightPolicy::Wait(Duration::from_secs(5))).await;
+    let body = r#"{"hold":true}"#;
     let first = {
         let app = app.clone();
         tokio::spawn(async move { send(&app, "t-6", body).await })
     };
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    let retry = send(&app, "t-6", body).await;
+    bank.entered.notified().await;
+    tokio::time::sleep(lease * 2).await; // past the lease, had it not been renewed
+    let retry = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, "t-6", body).await })
+    };
+    bank.release(1);
     let first = first.await.unwrap();
+    let retry = retry.await.unwrap();
     assert_eq!((first.0, first.1), (StatusCode::CREATED, false));
     assert_eq!(retry, (StatusCode::CREATED, true, first.2));
     assert_eq!(bank.calls.load(Ordering::SeqCst), 1);
@@ -193,15 +236,149 @@ async fn the_lease_is_renewed_while_the_handler_works() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reject_policy_answers_409_while_the_first_attempt_runs() {
     let (_dir, _store, bank, app, _metrics) = setup(LEASE, InFlightPolicy::Reject).await;
-    let body = r#"{"sleep_ms":500}"#;
+    let body = r#"{"hold":true}"#;
     let first = {
         let app = app.clone();
         tokio::spawn(async move { send(&app, "t-7", body).await })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    bank.entered.notified().await;
     let (status, _, text) = send(&app, "t-7", body).await;
     assert_eq!(status, StatusCode::CONFLICT, "{text}");
     assert!(text.contains("request-in-flight"), "{text}");
+    bank.release(1);
     assert_eq!(first.await.unwrap().0, StatusCode::CREATED);
     assert_eq!(bank.calls.load(Ordering::SeqCst), 1);
+}
+
+/// (answers, body, first status, retry status, retry replayed, calls, record state)
+type Row<'a> = (
+    &'a AnswerRule,
+    &'a str,
+    u16,
+    u16,
+    bool,
+    usize,
+    Option<RecordState>,
+);
+
+/// Every row of the after-effect table (`docs/contract.md`), in the layer's external mode:
+/// what the retry gets and how many times the bank was called.
+#[tokio::test]
+async fn every_row_of_the_after_effect_table() {
+    let rule: AnswerRule = "503=release 500=store".parse().unwrap();
+    let rows: [Row<'_>; 8] = [
+        (
+            &AnswerRule::default(),
+            r#"{"before":"fail"}"#,
+            503,
+            201,
+            false,
+            1,
+            Some(RecordState::Completed),
+        ),
+        (
+            &AnswerRule::default(),
+            r#"{"after":"unknown"}"#,
+            504,
+            409,
+            false,
+            1,
+            Some(RecordState::Indeterminate),
+        ),
+        (
+            &AnswerRule::default(),
+            r#"{"after":"panic"}"#,
+            500,
+            409,
+            false,
+            1,
+            Some(RecordState::Indeterminate),
+        ),
+        (
+            &AnswerRule::default(),
+            r#"{}"#,
+            201,
+            201,
+            true,
+            1,
+            Some(RecordState::Completed),
+        ),
+        (
+            &AnswerRule::default(),
+            r#"{"after":429}"#,
+            429,
+            429,
+            false,
+            2,
+            None,
+        ),
+        (
+            &AnswerRule::default(),
+            r#"{"after":500}"#,
+            500,
+            409,
+            false,
+            1,
+            Some(RecordState::Indeterminate),
+        ),
+        (
+            &rule,
+            r#"{"after":500}"#,
+            500,
+            500,
+            true,
+            1,
+            Some(RecordState::Completed),
+        ),
+        (&rule, r#"{"after":503}"#, 503, 503, false, 2, None),
+    ];
+    for (i, (answers, body, first, retry, replayed, calls, state)) in rows.into_iter().enumerate() {
+        let (_dir, store, bank, app, _metrics) =
+            setup_with(LEASE, InFlightPolicy::default(), answers.clone()).await;
+        let row = format!("row {i}: {body} under {answers}");
+        assert_eq!(send(&app, "k", body).await.0.as_u16(), first, "{row}");
+        // A retry of the same operation; a released key runs again, this time through.
+        let again = if body.contains("before") { "{}" } else { body };
+        let (status, is_replay, text) = send(&app, "k", again).await;
+        assert_eq!(
+            (status.as_u16(), is_replay),
+            (retry, replayed),
+            "{row}: {text}"
+        );
+        if retry == 409 {
+            assert!(text.contains("outcome-unknown"), "{row}: {text}");
+        }
+        assert_eq!(bank.calls.load(Ordering::SeqCst), calls, "{row}");
+        assert_eq!(
+            states(&store).await,
+            state.into_iter().collect::<Vec<_>>(),
+            "{row}"
+        );
+    }
+    assert_eq!(
+        AnswerRule::default().classify(500),
+        AfterEffect::Indeterminate,
+        "the default leaves a 5xx after the effect unknown"
+    );
+}
+
+/// The owner runs on a task of its own: a client that hangs up after the call went out
+/// does not stop it, and the retry replays what the owner stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_whose_client_hung_up_still_records_the_outcome() {
+    let (_dir, store, bank, app, _metrics) = setup(LEASE, InFlightPolicy::default()).await;
+    let body = r#"{"hold":true}"#;
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, "t-8", body).await })
+    };
+    bank.entered.notified().await;
+    first.abort(); // the client hangs up while the bank works
+    assert!(first.await.unwrap_err().is_cancelled());
+    bank.release(1);
+    let (status, replayed, text) = send(&app, "t-8", body).await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true), "{text}");
+    assert_eq!(text, r#"{"transfer":1}"#);
+    assert_eq!(bank.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(states(&store).await, [RecordState::Completed]);
 }

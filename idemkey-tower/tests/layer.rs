@@ -1,15 +1,18 @@
 //! In-process integration tests of the idempotency layer: an axum router whose handler
 //! writes an effect row on the layer's transaction, on a fresh SQLite file per test.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
+use axum::Extension;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::response::Response;
 use axum::routing::{get, post};
 use http::{HeaderMap, Request, StatusCode, header};
-use idemkey_core::KeyHasher;
+use idemkey_core::{Clock, KeyHasher, Timestamp};
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{
     EXPIRES_HEADER, IdempotencyLayer, Metrics, Outcome, PROBLEM_JSON, PROBLEM_TYPE_PREFIX,
@@ -17,6 +20,7 @@ use idemkey_tower::{
 };
 use serde_json::{Value, json};
 use tempfile::TempDir;
+use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
 
 const ROUTE: &str = "/effects";
@@ -48,11 +52,44 @@ fn layer(store: &SqliteStore) -> IdempotencyLayer<SqliteStore> {
     IdempotencyLayer::new(store.clone(), hasher())
 }
 
+/// Holds a handler after its effect until the test lets it go: put it in the request's
+/// extensions.
+#[derive(Clone)]
+struct Gate {
+    entered: Arc<Notify>,
+    proceed: Arc<Semaphore>,
+}
+
+impl Gate {
+    fn new() -> Self {
+        Self {
+            entered: Arc::new(Notify::new()),
+            proceed: Arc::new(Semaphore::new(0)),
+        }
+    }
+}
+
+/// A clock the test moves by hand.
+#[derive(Debug, Default)]
+struct ManualClock(AtomicI64);
+
+impl ManualClock {
+    fn advance(&self, by: Duration) {
+        self.0.fetch_add(by.as_millis() as i64, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(self.0.load(Ordering::SeqCst))
+    }
+}
+
 /// The handler, steered by its JSON body: `{"status": 201, "panic": false, "sleep_ms": 0,
 /// "pad": 0}`. It writes one effect row on the transaction, then answers with the row's id
 /// (so a replay is told apart from a second execution), a `Location`, and a header the layer
-/// does not store.
-async fn create(mut tx: Tx<SqliteStore>, body: Bytes) -> Response {
+/// does not store. A request carrying a [`Gate`] waits at it after the effect.
+async fn create(gate: Option<Extension<Gate>>, mut tx: Tx<SqliteStore>, body: Bytes) -> Response {
     let steer: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let status = steer["status"].as_u64().unwrap_or(201) as u16;
     let panics = steer["panic"].as_bool().unwrap_or(false);
@@ -66,7 +103,11 @@ async fn create(mut tx: Tx<SqliteStore>, body: Bytes) -> Response {
         .unwrap()
         .last_insert_rowid();
     if sleep_ms > 0 {
-        tokio::time::sleep(Duration::from_millis(sleep_ms)).await;
+        tokio::time::sleep(Duration::from_millis(sleep_ms)).await; // the work takes time
+    }
+    if let Some(Extension(gate)) = gate {
+        gate.entered.notify_one();
+        gate.proceed.acquire().await.unwrap().forget();
     }
     if panics {
         panic!("the handler panics on request");
@@ -509,14 +550,25 @@ async fn same_key_in_two_tenants_is_two_operations() {
 #[tokio::test]
 async fn expired_key_runs_again() {
     let (_dir, store) = setup().await;
+    let clock = Arc::new(ManualClock(AtomicI64::new(1_800_000_000_000)));
+    let retention = Duration::from_secs(3600);
     let app = app(layer(&store)
         .required()
-        .retention(Duration::from_millis(50)));
+        .retention(retention)
+        .clock(clock.clone()));
     let body = r#"{"status": 201}"#;
 
     let first = send(&app, request(Some("k-expire"), body)).await;
     assert_eq!(first.status, StatusCode::CREATED);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let expires = clock.now().plus(retention).to_system_time();
+    assert_eq!(
+        first.header(EXPIRES_HEADER),
+        Some(httpdate::fmt_http_date(expires).as_str())
+    );
+    clock.advance(retention - Duration::from_millis(1));
+    let replay = send(&app, request(Some("k-expire"), body)).await;
+    assert!(replay.replayed(), "replayed until its expiry");
+    clock.advance(Duration::from_millis(1));
     let second = send(&app, request(Some("k-expire"), body)).await;
     assert_eq!(second.status, StatusCode::CREATED);
     assert!(!second.replayed(), "an expired record is never replayed");
@@ -696,15 +748,19 @@ async fn busy_sqlite_lock_answers_503_store_busy_and_runs_nothing() {
         .unwrap();
     let m = Metrics::new();
     let app = app(layer(&store).required().metrics(m.clone()));
-    let body = r#"{"status": 201, "sleep_ms": 1000}"#;
+    let body = r#"{"status": 201}"#;
 
+    let gate = Gate::new();
     let owner = {
-        let app = app.clone();
-        tokio::spawn(async move { send(&app, request(Some("k-busy"), body)).await })
+        let (app, gate) = (app.clone(), gate.clone());
+        let mut req = request(Some("k-busy"), body);
+        req.extensions_mut().insert(gate);
+        tokio::spawn(async move { send(&app, req).await })
     };
-    // Let the owner claim the key and enter its handler.
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The owner holds the key (and SQLite's write lock) in its handler.
+    gate.entered.notified().await;
     let retry = send(&app, request(Some("k-busy"), body)).await;
+    gate.proceed.add_permits(1);
     let owner = owner.await.unwrap();
     assert_eq!(owner.status, StatusCode::CREATED);
     assert_eq!(effects(&store).await, 1);
