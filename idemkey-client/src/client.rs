@@ -12,10 +12,13 @@ use crate::{Error, IdempotentResponse, Operation, RetryPolicy, header};
 /// A `reqwest::Client` that executes writes as idempotent operations.
 ///
 /// Every attempt of an operation carries the operation's `Idempotency-Key` and the same body
-/// bytes. Connection failures, timeouts, 5xx, 429 and 409 `request-in-flight` are retried
-/// (honouring `Retry-After`, else with jittered exponential backoff); 400, 422 and 409
-/// `outcome-unknown` are returned as [`Error::Problem`]; any other answer is the server's final
-/// word and is returned as an [`IdempotentResponse`]. See [`RetryPolicy`] for the bounds.
+/// bytes. Connection failures, timeouts, and answers that another attempt can change (5xx,
+/// 429, 409 `request-in-flight`…) are retried (honouring `Retry-After`, else with jittered
+/// exponential backoff); answers that must not be retried with this key (400, 422, 409
+/// `outcome-unknown`, 504 `upstream-outcome-unknown`…) are returned as [`Error::Problem`]; any
+/// other answer, and any replayed one, is the server's final word and is returned as an
+/// [`IdempotentResponse`]. The crate documentation has the full table; see [`RetryPolicy`] for
+/// the bounds.
 #[derive(Debug, Clone)]
 pub struct IdempotentClient {
     client: reqwest::Client,

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant, SystemTime};
 use reqwest::header::{HeaderMap, RETRY_AFTER};
 use reqwest::{Request, Response, StatusCode};
 
-use crate::problem::{problem_type, types};
+use crate::problem::problem_type;
+use idemkey_core::problem;
+
 use crate::{
     Error, Failure, IdempotencyInfo, IdempotentResponse, Operation, Problem, RetryPolicy, header,
 };
@@ -179,6 +181,41 @@ fn final_by_status(status: StatusCode) -> bool {
     !matches!(status.as_u16(), 400 | 409 | 422 | 429 | 500..=599)
 }
 
+/// Whether an answer is final before its body is read: its status says so, or it is a replay.
+/// A replay is the stored outcome, whatever its status: another attempt gets it again.
+fn final_unread(status: StatusCode, replayed: bool) -> bool {
+    replayed || final_by_status(status)
+}
+
+/// What to do with an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// The server's final word: returned.
+    Final,
+    /// Must not be retried with this key: [`Error::Problem`].
+    Refuse,
+    /// Retried with the same key.
+    Retry,
+}
+
+/// The verdict on an answer that is not a replay and whose status needs a look at the body
+/// (400, 409, 422, 429, 5xx), given the problem `type` of its body (`kind`).
+///
+/// A problem type of the registry decides by its [`retry`](problem::ProblemType::retry); an
+/// unknown or missing type falls back to the status.
+fn verdict(status: StatusCode, kind: Option<&str>) -> Verdict {
+    match kind.and_then(problem::lookup) {
+        Some(known) if known.retry => Verdict::Retry,
+        Some(_) => Verdict::Refuse,
+        None => match status.as_u16() {
+            400 | 422 => Verdict::Refuse,
+            429 | 500..=599 => Verdict::Retry,
+            // A 409 of the application's own (a business conflict) is its answer.
+            _ => Verdict::Final,
+        },
+    }
+}
+
 async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u32) -> Answer {
     let status = response.status();
     if let Some(expires_at) = expires(response.headers()) {
@@ -190,7 +227,8 @@ async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u3
         replayed: replayed(response.headers()),
         expires_at: op.expires_at(),
     };
-    if mode == Mode::Stream && final_by_status(status) {
+    let final_unread = final_unread(status, info.replayed);
+    if mode == Mode::Stream && final_unread {
         return Answer::Final(Delivered::Unread(response, info));
     }
 
@@ -203,26 +241,10 @@ async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u3
         // The answer was lost on the way: another attempt with the same key gets it again.
         Err(e) => return Answer::Retry(Failure::Transport(e), None),
     };
-    let kind = if final_by_status(status) {
-        None
+    let verdict = if final_unread {
+        Verdict::Final
     } else {
-        problem_type(&headers, &body)
-    };
-    let kind = kind.as_deref();
-    enum Verdict {
-        Final,
-        Refuse,
-        Retry,
-    }
-    let verdict = match status.as_u16() {
-        400 if kind == Some(types::REQUEST_UNREADABLE) => Verdict::Retry,
-        400 | 422 => Verdict::Refuse,
-        409 if kind == Some(types::REQUEST_IN_FLIGHT) => Verdict::Retry,
-        409 if kind == Some(types::OUTCOME_UNKNOWN) => Verdict::Refuse,
-        429 => Verdict::Retry,
-        500..=599 if kind == Some(types::TRANSACTION_UNAVAILABLE) => Verdict::Refuse,
-        500..=599 => Verdict::Retry,
-        _ => Verdict::Final,
+        verdict(status, problem_type(&headers, &body).as_deref())
     };
     match verdict {
         Verdict::Refuse => Answer::Refused(Problem::parse(status, headers, body)),
@@ -237,7 +259,7 @@ async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u3
                 extensions,
                 info,
             };
-            if matches!(verdict, Verdict::Final) {
+            if verdict == Verdict::Final {
                 Answer::Final(Delivered::Read(read))
             } else {
                 Answer::Retry(Failure::Response(Box::new(read)), retry_after)
@@ -276,6 +298,7 @@ fn replayed(headers: &HeaderMap) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::problem::types;
     use reqwest::header::HeaderValue;
 
     fn with(name: &'static str, value: &str) -> HeaderMap {
@@ -323,6 +346,47 @@ mod tests {
         assert!(clear_of(at(98), h, Duration::from_secs(1)));
         assert!(!clear_of(at(99), h, Duration::from_secs(1)));
         assert!(!clear_of(at(100), h, Duration::ZERO));
+    }
+
+    #[test]
+    fn a_registered_problem_type_decides_by_its_retry_flag() {
+        let v =
+            |status: u16, kind: &str| verdict(StatusCode::from_u16(status).unwrap(), Some(kind));
+        let needs_body =
+            |p: &&problem::ProblemType| !final_by_status(StatusCode::from_u16(p.status).unwrap());
+        for p in problem::ALL.iter().filter(needs_body) {
+            let expected = if p.retry {
+                Verdict::Retry
+            } else {
+                Verdict::Refuse
+            };
+            assert_eq!(v(p.status, p.uri), expected, "{}", p.name);
+        }
+        assert_eq!(v(504, types::UPSTREAM_OUTCOME_UNKNOWN), Verdict::Refuse);
+        assert_eq!(v(500, types::RESPONSE_TOO_LARGE), Verdict::Refuse);
+        assert_eq!(v(400, types::REQUEST_UNREADABLE), Verdict::Retry);
+        assert_eq!(v(409, types::REQUEST_IN_FLIGHT), Verdict::Retry);
+    }
+
+    #[test]
+    fn without_a_registered_type_the_status_decides() {
+        for kind in [None, Some("urn:example:problem:already-shipped")] {
+            let v = |status: u16| verdict(StatusCode::from_u16(status).unwrap(), kind);
+            assert_eq!(v(400), Verdict::Refuse);
+            assert_eq!(v(422), Verdict::Refuse);
+            assert_eq!(v(409), Verdict::Final);
+            assert_eq!(v(429), Verdict::Retry);
+            assert_eq!(v(500), Verdict::Retry);
+            assert_eq!(v(503), Verdict::Retry);
+        }
+    }
+
+    #[test]
+    fn a_replay_is_final_whatever_its_status() {
+        for s in [200, 400, 409, 422, 429, 500, 503] {
+            assert!(final_unread(StatusCode::from_u16(s).unwrap(), true), "{s}");
+        }
+        assert!(!final_unread(StatusCode::INTERNAL_SERVER_ERROR, false));
     }
 
     #[test]

@@ -307,6 +307,71 @@ async fn transaction_unavailable_500_is_not_retried() {
 }
 
 #[tokio::test]
+async fn upstream_outcome_unknown_504_is_not_retried() {
+    // A 5xx, but the operation may have happened: retrying cannot change the answer.
+    let server = ScriptedServer::start(vec![
+        reply(504)
+            .problem(types::UPSTREAM_OUTCOME_UNKNOWN)
+            .header("link", "</idempotency/v1/keys/k>; rel=\"status\""),
+        reply(201).body("must not be reached"),
+    ])
+    .await;
+    let error = client()
+        .post_json(&Operation::new(), server.url("/v1/payments"), &payment())
+        .await
+        .unwrap_err();
+    let Error::Problem { problem, attempts } = &error else {
+        panic!("expected a problem, got {error:?}");
+    };
+    assert_eq!(*attempts, 1);
+    assert!(problem.is(types::UPSTREAM_OUTCOME_UNKNOWN));
+    assert_eq!(problem.http_status, 504);
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
+async fn response_too_large_500_is_not_retried() {
+    // The same response would be too large to store again.
+    let server = ScriptedServer::start(vec![
+        reply(500).problem(types::RESPONSE_TOO_LARGE),
+        reply(201).body("must not be reached"),
+    ])
+    .await;
+    let error = client()
+        .post_json(&Operation::new(), server.url("/v1/payments"), &payment())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::Problem { attempts: 1, .. }),
+        "{error:?}"
+    );
+    assert!(error.problem().unwrap().is(types::RESPONSE_TOO_LARGE));
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
+async fn a_replayed_500_is_the_final_answer() {
+    // The stored outcome: another attempt would get it again.
+    let server = ScriptedServer::start(vec![
+        reply(500)
+            .problem(types::INTERNAL_ERROR)
+            .header("idempotent-replayed", "true"),
+        reply(201).body("must not be reached"),
+    ])
+    .await;
+    let response = client()
+        .post_json(&Operation::new(), server.url("/v1/payments"), &payment())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 500);
+    assert_eq!(response.attempts(), 1);
+    assert!(response.is_replayed());
+    let body: serde_json::Value = response.json().unwrap();
+    assert_eq!(body["type"], types::INTERNAL_ERROR);
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
 async fn a_connection_closed_before_any_response_is_retried_with_the_same_key() {
     let (url, keys) = flaky_server(2).await;
     let op = Operation::new();

@@ -170,6 +170,48 @@ async fn request_in_flight_is_retried_and_a_business_409_comes_back_readable() {
 }
 
 #[tokio::test]
+async fn a_replayed_503_is_handed_over_as_the_answer() {
+    let server = ScriptedServer::start(vec![
+        reply(503)
+            .header("idempotent-replayed", "true")
+            .body("stored"),
+        reply(201),
+    ])
+    .await;
+    let response = client()
+        .post(server.url("/x"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 503);
+    let info = info(&response);
+    assert_eq!(info.attempts(), 1);
+    assert!(info.replayed());
+    assert_eq!(response.text().await.unwrap(), "stored");
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
+async fn upstream_outcome_unknown_is_not_retried() {
+    let server = ScriptedServer::start(vec![
+        reply(504).problem(types::UPSTREAM_OUTCOME_UNKNOWN),
+        reply(201),
+    ])
+    .await;
+    let error = client()
+        .post(server.url("/x"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap_err();
+    let ours = Error::from_middleware(&error).expect("our error");
+    assert!(ours.problem().unwrap().is(types::UPSTREAM_OUTCOME_UNKNOWN));
+    assert_eq!(ours.attempts(), 1);
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
 async fn a_connection_closed_before_any_response_is_retried_with_the_same_key() {
     let (url, keys) = flaky_server(1).await;
     let response = client()
