@@ -1,13 +1,14 @@
 //! The client entry point.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use reqwest::header::HeaderName;
 use reqwest::{IntoUrl, Request, RequestBuilder, Response};
 use serde::Serialize;
 
 use crate::retry::{self, Delivered, Mode, SendError, Stop, Transport};
-use crate::{Error, IdempotentResponse, Operation, RetryPolicy, header};
+use crate::{Clock, Error, IdempotentResponse, Operation, RetryPolicy, SystemClock, header};
 
 /// A `reqwest::Client` that executes writes as idempotent operations.
 ///
@@ -23,6 +24,7 @@ use crate::{Error, IdempotentResponse, Operation, RetryPolicy, header};
 pub struct IdempotentClient {
     client: reqwest::Client,
     policy: RetryPolicy,
+    clock: Arc<dyn Clock>,
 }
 
 impl IdempotentClient {
@@ -33,7 +35,17 @@ impl IdempotentClient {
 
     /// Wraps `client` with `policy`.
     pub fn with_policy(client: reqwest::Client, policy: RetryPolicy) -> Self {
-        Self { client, policy }
+        Self {
+            client,
+            policy,
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// Reads the time and waits between attempts with `clock` instead of the [`SystemClock`].
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// The wrapped client (to build requests with).
@@ -64,7 +76,17 @@ impl IdempotentClient {
         let mut transport = ClientTransport {
             client: &self.client,
         };
-        match retry::run(&self.policy, op, request, &mut transport, Mode::Buffer).await {
+        let clock = &*self.clock;
+        match retry::run(
+            &self.policy,
+            clock,
+            op,
+            request,
+            &mut transport,
+            Mode::Buffer,
+        )
+        .await
+        {
             Ok(Delivered::Read(response)) => Ok(response),
             Ok(Delivered::Unread(..)) => unreachable!("Mode::Buffer reads every answer"),
             Err(Stop::Error(e)) => Err(e),

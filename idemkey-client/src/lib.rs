@@ -27,6 +27,11 @@
 //! Two entry points share one retry loop: [`IdempotentClient`], and [`IdempotencyMiddleware`]
 //! for a `reqwest_middleware` client.
 //!
+//! The loop reads the time and waits through a [`Clock`]: the [`SystemClock`] unless
+//! `with_clock` on either entry point gives another. The horizon, `Retry-After` dates and the
+//! time spent are all measured on it, so a test clock whose waits take no time makes a retry
+//! test instant and lets it check each wait (see [`Clock`]).
+//!
 //! ```no_run
 //! use idemkey_client::{Error, IdempotentClient, Operation, problem};
 //!
@@ -81,6 +86,7 @@
 //! ```
 
 mod client;
+mod clock;
 mod error;
 mod middleware;
 mod operation;
@@ -90,6 +96,7 @@ mod response;
 mod retry;
 
 pub use client::IdempotentClient;
+pub use clock::{Clock, Sleep, SystemClock};
 pub use error::{Error, Failure};
 pub use middleware::IdempotencyMiddleware;
 pub use operation::{InvalidKey, Operation};

@@ -2,7 +2,7 @@
 //! [`IdempotencyMiddleware`](crate::IdempotencyMiddleware).
 
 use std::future::Future;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use reqwest::header::{HeaderMap, RETRY_AFTER};
 use reqwest::{Request, Response, StatusCode};
@@ -11,7 +11,8 @@ use crate::problem::problem_type;
 use idemkey_core::problem;
 
 use crate::{
-    Error, Failure, IdempotencyInfo, IdempotentResponse, Operation, Problem, RetryPolicy, header,
+    Clock, Error, Failure, IdempotencyInfo, IdempotentResponse, Operation, Problem, RetryPolicy,
+    header,
 };
 
 /// Sends one attempt.
@@ -69,9 +70,11 @@ enum Answer {
 }
 
 /// Sends `request` (which already carries the key) until the server gives a final answer, a
-/// refusal, or the policy says stop.
+/// refusal, or the policy says stop. Every reading of the time and every wait goes through
+/// `clock`.
 pub(crate) async fn run<T: Transport>(
     policy: &RetryPolicy,
+    clock: &dyn Clock,
     op: &Operation,
     mut request: Request,
     transport: &mut T,
@@ -85,13 +88,15 @@ pub(crate) async fn run<T: Transport>(
     {
         *request.timeout_mut() = Some(timeout);
     }
-    let started = Instant::now();
-    let first_attempt_at = op.begin(SystemTime::now());
+    let started = clock.now();
+    let first_attempt_at = op.begin(started);
+    // A clock set back reads as no time spent.
+    let elapsed = || clock.now().duration_since(started).unwrap_or_default();
     let mut attempts = 0u32;
     let mut last: Option<Failure> = None;
     loop {
         if let Some(horizon) = horizon(policy, op, first_attempt_at)
-            && !clear_of(SystemTime::now(), horizon, policy.expiry_margin())
+            && !clear_of(clock.now(), horizon, policy.expiry_margin())
         {
             return Err(Error::RetentionHorizon {
                 attempts,
@@ -114,7 +119,7 @@ pub(crate) async fn run<T: Transport>(
                 .into());
             }
             Err(SendError::Reqwest(e)) => (Failure::Transport(e), None),
-            Ok(response) => match answer(op, response, mode, attempts).await {
+            Ok(response) => match answer(clock, op, response, mode, attempts).await {
                 Answer::Final(delivered) => return Ok(delivered),
                 Answer::Refused(problem) => {
                     return Err(Error::Problem {
@@ -130,14 +135,14 @@ pub(crate) async fn run<T: Transport>(
         let give_up = |failure| Error::GaveUp {
             last: Box::new(failure),
             attempts,
-            elapsed: started.elapsed(),
+            elapsed: elapsed(),
         };
         if attempts >= policy.max_attempts() {
             return Err(give_up(failure).into());
         }
         let delay = retry_after.unwrap_or_else(|| policy.backoff(attempts));
         if let Some(horizon) = horizon(policy, op, first_attempt_at) {
-            let next = SystemTime::now().checked_add(delay);
+            let next = clock.now().checked_add(delay);
             if !next.is_some_and(|next| clear_of(next, horizon, policy.expiry_margin())) {
                 return Err(Error::RetentionHorizon {
                     attempts,
@@ -147,11 +152,11 @@ pub(crate) async fn run<T: Transport>(
                 .into());
             }
         }
-        if started.elapsed().saturating_add(delay) > policy.max_elapsed() {
+        if elapsed().saturating_add(delay) > policy.max_elapsed() {
             return Err(give_up(failure).into());
         }
         last = Some(failure);
-        tokio::time::sleep(delay).await;
+        clock.sleep(delay).await;
     }
 }
 
@@ -216,7 +221,13 @@ fn verdict(status: StatusCode, kind: Option<&str>) -> Verdict {
     }
 }
 
-async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u32) -> Answer {
+async fn answer(
+    clock: &dyn Clock,
+    op: &Operation,
+    mut response: Response,
+    mode: Mode,
+    attempts: u32,
+) -> Answer {
     let status = response.status();
     if let Some(expires_at) = expires(response.headers()) {
         op.advertise(expires_at);
@@ -249,7 +260,7 @@ async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u3
     match verdict {
         Verdict::Refuse => Answer::Refused(Problem::parse(status, headers, body)),
         Verdict::Final | Verdict::Retry => {
-            let retry_after = retry_after(&headers, SystemTime::now());
+            let retry_after = retry_after(&headers, clock.now());
             let read = IdempotentResponse {
                 status,
                 version,
