@@ -1,25 +1,30 @@
 //! The client entry point.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use reqwest::header::HeaderName;
 use reqwest::{IntoUrl, Request, RequestBuilder, Response};
 use serde::Serialize;
 
 use crate::retry::{self, Delivered, Mode, SendError, Stop, Transport};
-use crate::{Error, IdempotentResponse, Operation, RetryPolicy, header};
+use crate::{Clock, Error, IdempotentResponse, Operation, RetryPolicy, SystemClock, header};
 
 /// A `reqwest::Client` that executes writes as idempotent operations.
 ///
 /// Every attempt of an operation carries the operation's `Idempotency-Key` and the same body
-/// bytes. Connection failures, timeouts, 5xx, 429 and 409 `request-in-flight` are retried
-/// (honouring `Retry-After`, else with jittered exponential backoff); 400, 422 and 409
-/// `outcome-unknown` are returned as [`Error::Problem`]; any other answer is the server's final
-/// word and is returned as an [`IdempotentResponse`]. See [`RetryPolicy`] for the bounds.
+/// bytes. Connection failures, timeouts, and answers that another attempt can change (5xx,
+/// 429, 409 `request-in-flight`…) are retried (honouring `Retry-After`, else with jittered
+/// exponential backoff); answers that must not be retried with this key (400, 422, 409
+/// `outcome-unknown`, 504 `upstream-outcome-unknown`…) are returned as [`Error::Problem`]; any
+/// other answer, and any replayed one, is the server's final word and is returned as an
+/// [`IdempotentResponse`]. The crate documentation has the full table; see [`RetryPolicy`] for
+/// the bounds.
 #[derive(Debug, Clone)]
 pub struct IdempotentClient {
     client: reqwest::Client,
     policy: RetryPolicy,
+    clock: Arc<dyn Clock>,
 }
 
 impl IdempotentClient {
@@ -30,7 +35,17 @@ impl IdempotentClient {
 
     /// Wraps `client` with `policy`.
     pub fn with_policy(client: reqwest::Client, policy: RetryPolicy) -> Self {
-        Self { client, policy }
+        Self {
+            client,
+            policy,
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// Reads the time and waits between attempts with `clock` instead of the [`SystemClock`].
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// The wrapped client (to build requests with).
@@ -61,7 +76,17 @@ impl IdempotentClient {
         let mut transport = ClientTransport {
             client: &self.client,
         };
-        match retry::run(&self.policy, op, request, &mut transport, Mode::Buffer).await {
+        let clock = &*self.clock;
+        match retry::run(
+            &self.policy,
+            clock,
+            op,
+            request,
+            &mut transport,
+            Mode::Buffer,
+        )
+        .await
+        {
             Ok(Delivered::Read(response)) => Ok(response),
             Ok(Delivered::Unread(..)) => unreachable!("Mode::Buffer reads every answer"),
             Err(Stop::Error(e)) => Err(e),

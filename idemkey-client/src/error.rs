@@ -9,8 +9,10 @@ use crate::{IdempotentResponse, Problem};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The server refused the request in a way that must not be retried with this key:
-    /// 400, 422 (`key-reused`), 409 `outcome-unknown`, 500 `transaction-unavailable`.
+    /// The server refused the request in a way that must not be retried with this key: a
+    /// problem type of the contract that retrying cannot change (422 `key-reused`, 409
+    /// `outcome-unknown`, 504 `upstream-outcome-unknown`, 500 `response-too-large`…), or a 400
+    /// or 422 of another type.
     #[error("the server refused the request: {problem}")]
     Problem {
         /// The problem details and the raw response.

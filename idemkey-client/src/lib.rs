@@ -10,9 +10,13 @@
 //! | answer | what happens |
 //! |---|---|
 //! | connection failure, timeout, other transport error | retried, same key |
-//! | 5xx, 429, 409 `request-in-flight`, 400 `request-unreadable` | retried, same key, after `Retry-After` if given |
-//! | 400, 422 (`key-reused`), 409 `outcome-unknown`, 500 `transaction-unavailable` | [`Error::Problem`], never retried |
-//! | anything else (2xx, 3xx, 401, 402, 404, a business 409…) | the final answer: [`IdempotentResponse`] |
+//! | `Idempotent-Replayed: true`, whatever its status | the stored outcome, final: [`IdempotentResponse`] |
+//! | 400, 409, 422, 429, 5xx with a problem `type` of the contract | as [`idemkey_core::problem`] says: retried, same key, when retrying can change the answer (`request-in-flight`, `store-unavailable`, `request-unreadable`…); else [`Error::Problem`] (`key-reused`, `outcome-unknown`, `upstream-outcome-unknown`, `response-too-large`…) |
+//! | 429, 5xx of another or no `type` | retried, same key |
+//! | 400, 422 of another or no `type` | [`Error::Problem`], never retried |
+//! | anything else (2xx, 3xx, 401, 402, 404, 413, a business 409…) | the final answer: [`IdempotentResponse`] |
+//!
+//! A retry waits for `Retry-After` when the answer gives one, else for a jittered backoff.
 //!
 //! Retries are bounded by a [`RetryPolicy`] (attempts, total time) and never scheduled past the
 //! key's retention horizon: the `Idempotency-Key-Expires` the server advertises, or the first
@@ -22,6 +26,11 @@
 //!
 //! Two entry points share one retry loop: [`IdempotentClient`], and [`IdempotencyMiddleware`]
 //! for a `reqwest_middleware` client.
+//!
+//! The loop reads the time and waits through a [`Clock`]: the [`SystemClock`] unless
+//! `with_clock` on either entry point gives another. The horizon, `Retry-After` dates and the
+//! time spent are all measured on it, so a test clock whose waits take no time makes a retry
+//! test instant and lets it check each wait (see [`Clock`]).
 //!
 //! ```no_run
 //! use idemkey_client::{Error, IdempotentClient, Operation, problem};
@@ -77,6 +86,7 @@
 //! ```
 
 mod client;
+mod clock;
 mod error;
 mod middleware;
 mod operation;
@@ -86,6 +96,7 @@ mod response;
 mod retry;
 
 pub use client::IdempotentClient;
+pub use clock::{Clock, Sleep, SystemClock};
 pub use error::{Error, Failure};
 pub use middleware::IdempotencyMiddleware;
 pub use operation::{InvalidKey, Operation};

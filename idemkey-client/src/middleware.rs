@@ -1,6 +1,7 @@
 //! The `reqwest-middleware` entry point.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use http::Extensions;
 use reqwest::header::HeaderName;
@@ -8,7 +9,7 @@ use reqwest::{Request, Response, ResponseBuilderExt};
 use reqwest_middleware::{Middleware, Next};
 
 use crate::retry::{self, Delivered, Mode, SendError, Stop, Transport};
-use crate::{IdempotentResponse, Operation, RetryPolicy, header};
+use crate::{Clock, IdempotentResponse, Operation, RetryPolicy, SystemClock, header};
 
 /// A [`reqwest_middleware::Middleware`] that makes each unsafe request one idempotent
 /// operation, with the same retry rules as [`IdempotentClient`](crate::IdempotentClient).
@@ -26,9 +27,16 @@ use crate::{IdempotentResponse, Operation, RetryPolicy, header};
 /// up…) is returned as `reqwest_middleware::Error::Middleware`; recover it with
 /// [`Error::from_middleware`](crate::Error::from_middleware). Errors of middleware further
 /// down the chain are passed on untouched, not retried.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct IdempotencyMiddleware {
     policy: RetryPolicy,
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for IdempotencyMiddleware {
+    fn default() -> Self {
+        Self::with_policy(RetryPolicy::default())
+    }
 }
 
 impl IdempotencyMiddleware {
@@ -39,7 +47,16 @@ impl IdempotencyMiddleware {
 
     /// The middleware with `policy`.
     pub fn with_policy(policy: RetryPolicy) -> Self {
-        Self { policy }
+        Self {
+            policy,
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// Reads the time and waits between attempts with `clock` instead of the [`SystemClock`].
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// The retry policy.
@@ -71,7 +88,17 @@ impl Middleware for IdempotencyMiddleware {
             }
         };
         let mut transport = MiddlewareTransport { next, extensions };
-        match retry::run(&self.policy, &op, request, &mut transport, Mode::Stream).await {
+        let clock = &*self.clock;
+        match retry::run(
+            &self.policy,
+            clock,
+            &op,
+            request,
+            &mut transport,
+            Mode::Stream,
+        )
+        .await
+        {
             Ok(Delivered::Unread(mut response, info)) => {
                 response.extensions_mut().insert(info);
                 Ok(response)

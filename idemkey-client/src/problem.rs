@@ -8,33 +8,55 @@ use reqwest::header::{CONTENT_TYPE, HeaderMap};
 use serde_json::{Map, Value};
 
 /// The stable problem `type` values of the idemkey contract (`docs/contract.md`).
+///
+/// Each is the [`uri`](idemkey_core::problem::ProblemType::uri) of the problem type of the same
+/// name in [`idemkey_core::problem`], where its status, title and whether the client retries
+/// it are declared. The registry also holds the reference payments API's own types.
 pub mod types {
-    /// 400: the route requires an `Idempotency-Key`.
-    pub const KEY_MISSING: &str = "urn:idemkey:problem:key-missing";
-    /// 400: the key is malformed, or the header appears more than once.
-    pub const KEY_INVALID: &str = "urn:idemkey:problem:key-invalid";
-    /// 413: the body is over the route's limit.
-    pub const REQUEST_TOO_LARGE: &str = "urn:idemkey:problem:request-too-large";
-    /// 400: the body could not be read; retried with the same key.
-    pub const REQUEST_UNREADABLE: &str = "urn:idemkey:problem:request-unreadable";
-    /// 422: the key was used with a different request; never retried.
-    pub const KEY_REUSED: &str = "urn:idemkey:problem:key-reused";
-    /// 409: the first attempt is still running; retried after `Retry-After`.
-    pub const REQUEST_IN_FLIGHT: &str = "urn:idemkey:problem:request-in-flight";
-    /// 409: the outcome of the first attempt is unknown; never retried.
-    pub const OUTCOME_UNKNOWN: &str = "urn:idemkey:problem:outcome-unknown";
-    /// 503: the idempotency store is unreachable; retried.
-    pub const STORE_UNAVAILABLE: &str = "urn:idemkey:problem:store-unavailable";
-    /// 503: the store did not grant its lock in time; nothing ran (retried).
-    pub const STORE_BUSY: &str = "urn:idemkey:problem:store-busy";
-    /// 500: the response could not be stored; retried.
-    pub const RESPONSE_TOO_LARGE: &str = "urn:idemkey:problem:response-too-large";
-    /// 500: the handler failed; retried.
-    pub const INTERNAL_ERROR: &str = "urn:idemkey:problem:internal-error";
-    /// 500: server misconfiguration; not retried.
-    pub const TRANSACTION_UNAVAILABLE: &str = "urn:idemkey:problem:transaction-unavailable";
-    /// 404: the status resource has no record of the key.
-    pub const KEY_NOT_FOUND: &str = "urn:idemkey:problem:key-not-found";
+    use idemkey_core::problem as registry;
+
+    /// [`KEY_MISSING`](registry::KEY_MISSING): the route requires an `Idempotency-Key`.
+    pub const KEY_MISSING: &str = registry::KEY_MISSING.uri;
+    /// [`KEY_INVALID`](registry::KEY_INVALID): the key is malformed, or the header appears more
+    /// than once.
+    pub const KEY_INVALID: &str = registry::KEY_INVALID.uri;
+    /// [`REQUEST_TOO_LARGE`](registry::REQUEST_TOO_LARGE): the body is over the route's limit.
+    pub const REQUEST_TOO_LARGE: &str = registry::REQUEST_TOO_LARGE.uri;
+    /// [`REQUEST_UNREADABLE`](registry::REQUEST_UNREADABLE): the body could not be read; nothing
+    /// ran.
+    pub const REQUEST_UNREADABLE: &str = registry::REQUEST_UNREADABLE.uri;
+    /// [`KEY_REUSED`](registry::KEY_REUSED): the key was used with a different request.
+    pub const KEY_REUSED: &str = registry::KEY_REUSED.uri;
+    /// [`REQUEST_IN_FLIGHT`](registry::REQUEST_IN_FLIGHT): the first attempt is still running.
+    pub const REQUEST_IN_FLIGHT: &str = registry::REQUEST_IN_FLIGHT.uri;
+    /// [`OUTCOME_UNKNOWN`](registry::OUTCOME_UNKNOWN): the outcome of the first attempt is unknown
+    /// until it is resolved.
+    pub const OUTCOME_UNKNOWN: &str = registry::OUTCOME_UNKNOWN.uri;
+    /// [`STORE_UNAVAILABLE`](registry::STORE_UNAVAILABLE): the idempotency store is unreachable;
+    /// nothing ran.
+    pub const STORE_UNAVAILABLE: &str = registry::STORE_UNAVAILABLE.uri;
+    /// [`STORE_BUSY`](registry::STORE_BUSY): the store did not grant its lock in time; nothing ran.
+    pub const STORE_BUSY: &str = registry::STORE_BUSY.uri;
+    /// [`RESPONSE_TOO_LARGE`](registry::RESPONSE_TOO_LARGE): the response was too large to store;
+    /// its effect was rolled back.
+    pub const RESPONSE_TOO_LARGE: &str = registry::RESPONSE_TOO_LARGE.uri;
+    /// [`INTERNAL_ERROR`](registry::INTERNAL_ERROR): the handler failed; its effect was rolled
+    /// back.
+    pub const INTERNAL_ERROR: &str = registry::INTERNAL_ERROR.uri;
+    /// [`TRANSACTION_UNAVAILABLE`](registry::TRANSACTION_UNAVAILABLE): server misconfiguration: no
+    /// idempotency transaction for the handler.
+    pub const TRANSACTION_UNAVAILABLE: &str = registry::TRANSACTION_UNAVAILABLE.uri;
+    /// [`KEY_NOT_FOUND`](registry::KEY_NOT_FOUND): the status resource has no record of the key.
+    pub const KEY_NOT_FOUND: &str = registry::KEY_NOT_FOUND.uri;
+    /// [`UPSTREAM_UNAVAILABLE`](registry::UPSTREAM_UNAVAILABLE): gateway: the upstream could not be
+    /// reached; nothing was sent.
+    pub const UPSTREAM_UNAVAILABLE: &str = registry::UPSTREAM_UNAVAILABLE.uri;
+    /// [`UPSTREAM_OUTCOME_UNKNOWN`](registry::UPSTREAM_OUTCOME_UNKNOWN): gateway: sent upstream, no
+    /// complete answer came back.
+    pub const UPSTREAM_OUTCOME_UNKNOWN: &str = registry::UPSTREAM_OUTCOME_UNKNOWN.uri;
+    /// [`UPSTREAM_FAILED`](registry::UPSTREAM_FAILED): gateway, request without a key: no complete
+    /// answer came back.
+    pub const UPSTREAM_FAILED: &str = registry::UPSTREAM_FAILED.uri;
     /// The RFC 9457 default when a problem names no type.
     pub const ABOUT_BLANK: &str = "about:blank";
 }

@@ -2,14 +2,17 @@
 //! [`IdempotencyMiddleware`](crate::IdempotencyMiddleware).
 
 use std::future::Future;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use reqwest::header::{HeaderMap, RETRY_AFTER};
 use reqwest::{Request, Response, StatusCode};
 
-use crate::problem::{problem_type, types};
+use crate::problem::problem_type;
+use idemkey_core::problem;
+
 use crate::{
-    Error, Failure, IdempotencyInfo, IdempotentResponse, Operation, Problem, RetryPolicy, header,
+    Clock, Error, Failure, IdempotencyInfo, IdempotentResponse, Operation, Problem, RetryPolicy,
+    header,
 };
 
 /// Sends one attempt.
@@ -67,9 +70,11 @@ enum Answer {
 }
 
 /// Sends `request` (which already carries the key) until the server gives a final answer, a
-/// refusal, or the policy says stop.
+/// refusal, or the policy says stop. Every reading of the time and every wait goes through
+/// `clock`.
 pub(crate) async fn run<T: Transport>(
     policy: &RetryPolicy,
+    clock: &dyn Clock,
     op: &Operation,
     mut request: Request,
     transport: &mut T,
@@ -83,13 +88,15 @@ pub(crate) async fn run<T: Transport>(
     {
         *request.timeout_mut() = Some(timeout);
     }
-    let started = Instant::now();
-    let first_attempt_at = op.begin(SystemTime::now());
+    let started = clock.now();
+    let first_attempt_at = op.begin(started);
+    // A clock set back reads as no time spent.
+    let elapsed = || clock.now().duration_since(started).unwrap_or_default();
     let mut attempts = 0u32;
     let mut last: Option<Failure> = None;
     loop {
         if let Some(horizon) = horizon(policy, op, first_attempt_at)
-            && !clear_of(SystemTime::now(), horizon, policy.expiry_margin())
+            && !clear_of(clock.now(), horizon, policy.expiry_margin())
         {
             return Err(Error::RetentionHorizon {
                 attempts,
@@ -112,7 +119,7 @@ pub(crate) async fn run<T: Transport>(
                 .into());
             }
             Err(SendError::Reqwest(e)) => (Failure::Transport(e), None),
-            Ok(response) => match answer(op, response, mode, attempts).await {
+            Ok(response) => match answer(clock, op, response, mode, attempts).await {
                 Answer::Final(delivered) => return Ok(delivered),
                 Answer::Refused(problem) => {
                     return Err(Error::Problem {
@@ -128,14 +135,14 @@ pub(crate) async fn run<T: Transport>(
         let give_up = |failure| Error::GaveUp {
             last: Box::new(failure),
             attempts,
-            elapsed: started.elapsed(),
+            elapsed: elapsed(),
         };
         if attempts >= policy.max_attempts() {
             return Err(give_up(failure).into());
         }
         let delay = retry_after.unwrap_or_else(|| policy.backoff(attempts));
         if let Some(horizon) = horizon(policy, op, first_attempt_at) {
-            let next = SystemTime::now().checked_add(delay);
+            let next = clock.now().checked_add(delay);
             if !next.is_some_and(|next| clear_of(next, horizon, policy.expiry_margin())) {
                 return Err(Error::RetentionHorizon {
                     attempts,
@@ -145,11 +152,11 @@ pub(crate) async fn run<T: Transport>(
                 .into());
             }
         }
-        if started.elapsed().saturating_add(delay) > policy.max_elapsed() {
+        if elapsed().saturating_add(delay) > policy.max_elapsed() {
             return Err(give_up(failure).into());
         }
         last = Some(failure);
-        tokio::time::sleep(delay).await;
+        clock.sleep(delay).await;
     }
 }
 
@@ -179,7 +186,48 @@ fn final_by_status(status: StatusCode) -> bool {
     !matches!(status.as_u16(), 400 | 409 | 422 | 429 | 500..=599)
 }
 
-async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u32) -> Answer {
+/// Whether an answer is final before its body is read: its status says so, or it is a replay.
+/// A replay is the stored outcome, whatever its status: another attempt gets it again.
+fn final_unread(status: StatusCode, replayed: bool) -> bool {
+    replayed || final_by_status(status)
+}
+
+/// What to do with an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// The server's final word: returned.
+    Final,
+    /// Must not be retried with this key: [`Error::Problem`].
+    Refuse,
+    /// Retried with the same key.
+    Retry,
+}
+
+/// The verdict on an answer that is not a replay and whose status needs a look at the body
+/// (400, 409, 422, 429, 5xx), given the problem `type` of its body (`kind`).
+///
+/// A problem type of the registry decides by its [`retry`](problem::ProblemType::retry); an
+/// unknown or missing type falls back to the status.
+fn verdict(status: StatusCode, kind: Option<&str>) -> Verdict {
+    match kind.and_then(problem::lookup) {
+        Some(known) if known.retry => Verdict::Retry,
+        Some(_) => Verdict::Refuse,
+        None => match status.as_u16() {
+            400 | 422 => Verdict::Refuse,
+            429 | 500..=599 => Verdict::Retry,
+            // A 409 of the application's own (a business conflict) is its answer.
+            _ => Verdict::Final,
+        },
+    }
+}
+
+async fn answer(
+    clock: &dyn Clock,
+    op: &Operation,
+    mut response: Response,
+    mode: Mode,
+    attempts: u32,
+) -> Answer {
     let status = response.status();
     if let Some(expires_at) = expires(response.headers()) {
         op.advertise(expires_at);
@@ -190,7 +238,8 @@ async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u3
         replayed: replayed(response.headers()),
         expires_at: op.expires_at(),
     };
-    if mode == Mode::Stream && final_by_status(status) {
+    let final_unread = final_unread(status, info.replayed);
+    if mode == Mode::Stream && final_unread {
         return Answer::Final(Delivered::Unread(response, info));
     }
 
@@ -203,31 +252,15 @@ async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u3
         // The answer was lost on the way: another attempt with the same key gets it again.
         Err(e) => return Answer::Retry(Failure::Transport(e), None),
     };
-    let kind = if final_by_status(status) {
-        None
+    let verdict = if final_unread {
+        Verdict::Final
     } else {
-        problem_type(&headers, &body)
-    };
-    let kind = kind.as_deref();
-    enum Verdict {
-        Final,
-        Refuse,
-        Retry,
-    }
-    let verdict = match status.as_u16() {
-        400 if kind == Some(types::REQUEST_UNREADABLE) => Verdict::Retry,
-        400 | 422 => Verdict::Refuse,
-        409 if kind == Some(types::REQUEST_IN_FLIGHT) => Verdict::Retry,
-        409 if kind == Some(types::OUTCOME_UNKNOWN) => Verdict::Refuse,
-        429 => Verdict::Retry,
-        500..=599 if kind == Some(types::TRANSACTION_UNAVAILABLE) => Verdict::Refuse,
-        500..=599 => Verdict::Retry,
-        _ => Verdict::Final,
+        verdict(status, problem_type(&headers, &body).as_deref())
     };
     match verdict {
         Verdict::Refuse => Answer::Refused(Problem::parse(status, headers, body)),
         Verdict::Final | Verdict::Retry => {
-            let retry_after = retry_after(&headers, SystemTime::now());
+            let retry_after = retry_after(&headers, clock.now());
             let read = IdempotentResponse {
                 status,
                 version,
@@ -237,7 +270,7 @@ async fn answer(op: &Operation, mut response: Response, mode: Mode, attempts: u3
                 extensions,
                 info,
             };
-            if matches!(verdict, Verdict::Final) {
+            if verdict == Verdict::Final {
                 Answer::Final(Delivered::Read(read))
             } else {
                 Answer::Retry(Failure::Response(Box::new(read)), retry_after)
@@ -276,6 +309,7 @@ fn replayed(headers: &HeaderMap) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::problem::types;
     use reqwest::header::HeaderValue;
 
     fn with(name: &'static str, value: &str) -> HeaderMap {
@@ -323,6 +357,47 @@ mod tests {
         assert!(clear_of(at(98), h, Duration::from_secs(1)));
         assert!(!clear_of(at(99), h, Duration::from_secs(1)));
         assert!(!clear_of(at(100), h, Duration::ZERO));
+    }
+
+    #[test]
+    fn a_registered_problem_type_decides_by_its_retry_flag() {
+        let v =
+            |status: u16, kind: &str| verdict(StatusCode::from_u16(status).unwrap(), Some(kind));
+        let needs_body =
+            |p: &&problem::ProblemType| !final_by_status(StatusCode::from_u16(p.status).unwrap());
+        for p in problem::ALL.iter().filter(needs_body) {
+            let expected = if p.retry {
+                Verdict::Retry
+            } else {
+                Verdict::Refuse
+            };
+            assert_eq!(v(p.status, p.uri), expected, "{}", p.name);
+        }
+        assert_eq!(v(504, types::UPSTREAM_OUTCOME_UNKNOWN), Verdict::Refuse);
+        assert_eq!(v(500, types::RESPONSE_TOO_LARGE), Verdict::Refuse);
+        assert_eq!(v(400, types::REQUEST_UNREADABLE), Verdict::Retry);
+        assert_eq!(v(409, types::REQUEST_IN_FLIGHT), Verdict::Retry);
+    }
+
+    #[test]
+    fn without_a_registered_type_the_status_decides() {
+        for kind in [None, Some("urn:example:problem:already-shipped")] {
+            let v = |status: u16| verdict(StatusCode::from_u16(status).unwrap(), kind);
+            assert_eq!(v(400), Verdict::Refuse);
+            assert_eq!(v(422), Verdict::Refuse);
+            assert_eq!(v(409), Verdict::Final);
+            assert_eq!(v(429), Verdict::Retry);
+            assert_eq!(v(500), Verdict::Retry);
+            assert_eq!(v(503), Verdict::Retry);
+        }
+    }
+
+    #[test]
+    fn a_replay_is_final_whatever_its_status() {
+        for s in [200, 400, 409, 422, 429, 500, 503] {
+            assert!(final_unread(StatusCode::from_u16(s).unwrap(), true), "{s}");
+        }
+        assert!(!final_unread(StatusCode::INTERNAL_SERVER_ERROR, false));
     }
 
     #[test]

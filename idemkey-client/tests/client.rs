@@ -2,14 +2,25 @@
 
 mod support;
 
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use idemkey_client::problem::types;
-use idemkey_client::{Error, Failure, IdempotentClient, Operation, RetryPolicy};
-use support::{ScriptedServer, fast, flaky_server, http, reply};
+use idemkey_client::{Clock, Error, Failure, IdempotentClient, Operation, RetryPolicy};
+use support::{ManualClock, ScriptedServer, fast, flaky_server, http, reply};
 
+/// A client whose waits take no time.
 fn client() -> IdempotentClient {
-    IdempotentClient::with_policy(http(), fast())
+    client_on(&ManualClock::new())
+}
+
+/// A client with the fast policy on `clock`.
+fn client_on(clock: &Arc<ManualClock>) -> IdempotentClient {
+    with_policy(clock, fast())
+}
+
+fn with_policy(clock: &Arc<ManualClock>, policy: RetryPolicy) -> IdempotentClient {
+    IdempotentClient::with_policy(http(), policy).with_clock(clock.clone())
 }
 
 fn payment() -> serde_json::Value {
@@ -113,48 +124,81 @@ async fn too_many_requests_429_is_retried() {
         reply(200).body("ok"),
     ])
     .await;
-    let response = client()
+    let clock = ManualClock::new();
+    let response = client_on(&clock)
         .post_json(&Operation::new(), server.url("/x"), &payment())
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
     assert_eq!(response.attempts(), 2);
+    assert_eq!(clock.sleeps(), [Duration::ZERO]);
 }
 
 #[tokio::test]
 async fn retry_after_seconds_is_honoured() {
     let server = ScriptedServer::start(vec![
-        reply(503).header("retry-after", "1"),
+        reply(503).header("retry-after", "2"),
         reply(201).body("ok"),
     ])
     .await;
-    let response = client()
+    let clock = ManualClock::new();
+    let response = client_on(&clock)
         .post_json(&Operation::new(), server.url("/v1/payments"), &payment())
         .await
         .unwrap();
     assert_eq!(response.attempts(), 2);
-    let seen = server.seen();
-    let gap = seen[1].at - seen[0].at;
-    assert!(gap >= Duration::from_secs(1), "retried after {gap:?}");
+    assert_eq!(clock.sleeps(), [Duration::from_secs(2)]);
 }
 
 #[tokio::test]
 async fn retry_after_http_date_is_honoured() {
-    // Three seconds ahead, truncated to the second: at least two seconds away.
-    let at = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(3));
+    let clock = ManualClock::new();
+    let at = httpdate::fmt_http_date(clock.now() + Duration::from_secs(3));
     let server = ScriptedServer::start(vec![
         reply(503).header("retry-after", at),
         reply(201).body("ok"),
     ])
     .await;
-    let response = client()
+    let response = client_on(&clock)
         .post_json(&Operation::new(), server.url("/v1/payments"), &payment())
         .await
         .unwrap();
     assert_eq!(response.attempts(), 2);
-    let seen = server.seen();
-    let gap = seen[1].at - seen[0].at;
-    assert!(gap >= Duration::from_millis(1500), "retried after {gap:?}");
+    assert_eq!(clock.sleeps(), [Duration::from_secs(3)]);
+}
+
+#[tokio::test]
+async fn the_system_clock_is_the_default() {
+    let server = ScriptedServer::start(vec![
+        reply(503).header("retry-after", "0"),
+        reply(201).body("ok"),
+    ])
+    .await;
+    let op = Operation::new();
+    let before = SystemTime::now();
+    let response = IdempotentClient::new(http())
+        .post_json(&op, server.url("/x"), &payment())
+        .await
+        .unwrap();
+    assert_eq!(response.attempts(), 2);
+    assert!(op.first_attempt_at().unwrap() >= before);
+}
+
+#[tokio::test]
+async fn without_retry_after_the_waits_are_jittered_backoff() {
+    let server = ScriptedServer::start(vec![reply(503), reply(503), reply(503), reply(201)]).await;
+    let clock = ManualClock::new();
+    let response = client_on(&clock)
+        .post_json(&Operation::new(), server.url("/x"), &payment())
+        .await
+        .unwrap();
+    assert_eq!(response.attempts(), 4);
+    let sleeps = clock.sleeps();
+    assert_eq!(sleeps.len(), 3);
+    // fast(): caps of 10 ms, 20 ms, 40 ms.
+    for (sleep, cap) in sleeps.iter().zip([10, 20, 40]) {
+        assert!(*sleep <= Duration::from_millis(cap), "{sleeps:?}");
+    }
 }
 
 #[tokio::test]
@@ -307,6 +351,71 @@ async fn transaction_unavailable_500_is_not_retried() {
 }
 
 #[tokio::test]
+async fn upstream_outcome_unknown_504_is_not_retried() {
+    // A 5xx, but the operation may have happened: retrying cannot change the answer.
+    let server = ScriptedServer::start(vec![
+        reply(504)
+            .problem(types::UPSTREAM_OUTCOME_UNKNOWN)
+            .header("link", "</idempotency/v1/keys/k>; rel=\"status\""),
+        reply(201).body("must not be reached"),
+    ])
+    .await;
+    let error = client()
+        .post_json(&Operation::new(), server.url("/v1/payments"), &payment())
+        .await
+        .unwrap_err();
+    let Error::Problem { problem, attempts } = &error else {
+        panic!("expected a problem, got {error:?}");
+    };
+    assert_eq!(*attempts, 1);
+    assert!(problem.is(types::UPSTREAM_OUTCOME_UNKNOWN));
+    assert_eq!(problem.http_status, 504);
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
+async fn response_too_large_500_is_not_retried() {
+    // The same response would be too large to store again.
+    let server = ScriptedServer::start(vec![
+        reply(500).problem(types::RESPONSE_TOO_LARGE),
+        reply(201).body("must not be reached"),
+    ])
+    .await;
+    let error = client()
+        .post_json(&Operation::new(), server.url("/v1/payments"), &payment())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::Problem { attempts: 1, .. }),
+        "{error:?}"
+    );
+    assert!(error.problem().unwrap().is(types::RESPONSE_TOO_LARGE));
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
+async fn a_replayed_500_is_the_final_answer() {
+    // The stored outcome: another attempt would get it again.
+    let server = ScriptedServer::start(vec![
+        reply(500)
+            .problem(types::INTERNAL_ERROR)
+            .header("idempotent-replayed", "true"),
+        reply(201).body("must not be reached"),
+    ])
+    .await;
+    let response = client()
+        .post_json(&Operation::new(), server.url("/v1/payments"), &payment())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 500);
+    assert_eq!(response.attempts(), 1);
+    assert!(response.is_replayed());
+    let body: serde_json::Value = response.json().unwrap();
+    assert_eq!(body["type"], types::INTERNAL_ERROR);
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
 async fn a_connection_closed_before_any_response_is_retried_with_the_same_key() {
     let (url, keys) = flaky_server(2).await;
     let op = Operation::new();
@@ -328,7 +437,7 @@ async fn a_refused_connection_is_retried_until_given_up() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let client = IdempotentClient::with_policy(http(), fast().with_max_attempts(3));
+    let client = with_policy(&ManualClock::new(), fast().with_max_attempts(3));
     let error = client
         .post_json(
             &Operation::new(),
@@ -348,7 +457,8 @@ async fn a_refused_connection_is_retried_until_given_up() {
 #[tokio::test]
 async fn gives_up_after_max_attempts() {
     let server = ScriptedServer::start(vec![reply(503).body("busy")]).await;
-    let client = IdempotentClient::with_policy(http(), fast().with_max_attempts(4));
+    let clock = ManualClock::new();
+    let client = with_policy(&clock, fast().with_max_attempts(4));
     let error = client
         .post_json(&Operation::new(), server.url("/x"), &payment())
         .await
@@ -363,13 +473,14 @@ async fn gives_up_after_max_attempts() {
     assert_eq!(last.status(), 503);
     assert_eq!(last.text().unwrap(), "busy");
     assert_eq!(server.seen().len(), 4);
+    assert_eq!(clock.sleeps().len(), 3, "no wait after the last attempt");
 }
 
 #[tokio::test]
 async fn gives_up_when_retry_after_exceeds_the_time_allowed() {
     let server = ScriptedServer::start(vec![reply(503).header("retry-after", "120")]).await;
-    let started = Instant::now();
-    let error = client()
+    let clock = ManualClock::new();
+    let error = client_on(&clock)
         .post_json(&Operation::new(), server.url("/x"), &payment())
         .await
         .unwrap_err();
@@ -377,9 +488,31 @@ async fn gives_up_when_retry_after_exceeds_the_time_allowed() {
         matches!(error, Error::GaveUp { attempts: 1, .. }),
         "{error:?}"
     );
-    // Not waiting two minutes for nothing (a generous bound: the loop must not sleep).
-    assert!(started.elapsed() < Duration::from_secs(60));
+    // Not waiting two minutes for nothing.
+    assert_eq!(clock.sleeps(), []);
     assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
+async fn the_time_allowed_counts_the_waits() {
+    // 60 s allowed, 25 s asked each time: attempts at 0 s, 25 s and 50 s; one more would
+    // start at 75 s.
+    let server = ScriptedServer::start(vec![reply(503).header("retry-after", "25")]).await;
+    let clock = ManualClock::new();
+    let error = client_on(&clock)
+        .post_json(&Operation::new(), server.url("/x"), &payment())
+        .await
+        .unwrap_err();
+    let Error::GaveUp {
+        attempts, elapsed, ..
+    } = &error
+    else {
+        panic!("expected to give up, got {error:?}");
+    };
+    assert_eq!(*attempts, 3);
+    assert_eq!(*elapsed, Duration::from_secs(50));
+    assert_eq!(clock.sleeps(), [Duration::from_secs(25); 2]);
+    assert_eq!(server.seen().len(), 3);
 }
 
 #[tokio::test]
@@ -393,8 +526,8 @@ async fn the_advertised_expiry_stops_retries() {
     ])
     .await;
     let op = Operation::new();
-    let started = Instant::now();
-    let client = IdempotentClient::with_policy(http(), fast().with_expiry_margin(Duration::ZERO));
+    let clock = ManualClock::new();
+    let client = with_policy(&clock, fast().with_expiry_margin(Duration::ZERO));
     let error = client
         .post_json(&op, server.url("/v1/payments"), &payment())
         .await
@@ -407,10 +540,7 @@ async fn the_advertised_expiry_stops_retries() {
     };
     assert_eq!(*attempts, 1);
     assert_eq!(Some(*horizon), op.expires_at());
-    assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "waited for the Retry-After"
-    );
+    assert_eq!(clock.sleeps(), [], "waited for the Retry-After");
     assert_eq!(server.seen().len(), 1);
 }
 
@@ -420,27 +550,36 @@ async fn the_configured_retention_stops_retries() {
     let policy = fast()
         .with_retention(Duration::from_secs(2))
         .with_expiry_margin(Duration::ZERO);
-    let client = IdempotentClient::with_policy(http(), policy);
-    let error = client
-        .post_json(&Operation::new(), server.url("/x"), &payment())
+    let clock = ManualClock::new();
+    let op = Operation::new();
+    let error = with_policy(&clock, policy)
+        .post_json(&op, server.url("/x"), &payment())
         .await
         .unwrap_err();
-    assert!(
-        matches!(error, Error::RetentionHorizon { attempts: 1, .. }),
-        "{error:?}"
-    );
+    let Error::RetentionHorizon {
+        attempts: 1,
+        horizon,
+        ..
+    } = error
+    else {
+        panic!("expected the retention horizon, got {error:?}");
+    };
+    assert_eq!(op.first_attempt_at(), Some(clock.now()));
+    assert_eq!(horizon, clock.now() + Duration::from_secs(2));
+    assert_eq!(clock.sleeps(), []);
     assert_eq!(server.seen().len(), 1);
 }
 
 #[tokio::test]
 async fn a_resumed_operation_past_its_retention_sends_nothing() {
     let server = ScriptedServer::start(vec![reply(201).body("ok")]).await;
+    let clock = ManualClock::new();
     let op = Operation::resume(
         "order-42-payment",
-        SystemTime::now() - Duration::from_secs(25 * 60 * 60),
+        clock.now() - Duration::from_secs(25 * 60 * 60),
     )
     .unwrap();
-    let error = IdempotentClient::new(http())
+    let error = with_policy(&clock, RetryPolicy::default())
         .post_json(&op, server.url("/x"), &payment())
         .await
         .unwrap_err();
@@ -466,7 +605,7 @@ async fn a_caller_key_survives_across_calls() {
         reply(201).header("idempotent-replayed", "true").body("ok"),
     ])
     .await;
-    let client = IdempotentClient::new(http());
+    let client = with_policy(&ManualClock::new(), RetryPolicy::default());
     let op = Operation::with_key("order-42-payment").unwrap();
     let first = client
         .post_json(&op, server.url("/x"), &payment())

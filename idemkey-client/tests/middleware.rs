@@ -2,16 +2,23 @@
 
 mod support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use idemkey_client::problem::types;
 use idemkey_client::{Error, IdempotencyInfo, IdempotencyMiddleware, Operation};
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
-use support::{ScriptedServer, fast, flaky_server, http, reply};
+use support::{ManualClock, ScriptedServer, fast, flaky_server, http, reply};
 
+/// A client whose waits take no time.
 fn client() -> ClientWithMiddleware {
+    client_on(&ManualClock::new())
+}
+
+/// A client with the fast policy on `clock`.
+fn client_on(clock: &Arc<ManualClock>) -> ClientWithMiddleware {
     ClientBuilder::new(http())
-        .with(IdempotencyMiddleware::with_policy(fast()))
+        .with(IdempotencyMiddleware::with_policy(fast()).with_clock(clock.clone()))
         .build()
 }
 
@@ -32,8 +39,9 @@ async fn the_default_middleware_adds_one_key_and_reuses_it() {
         reply(201).body("second"),
     ])
     .await;
+    let clock = ManualClock::new();
     let client = ClientBuilder::new(http())
-        .with(IdempotencyMiddleware::default())
+        .with(IdempotencyMiddleware::default().with_clock(clock.clone()))
         .build();
 
     let response = client
@@ -70,6 +78,11 @@ async fn the_default_middleware_adds_one_key_and_reuses_it() {
         4
     );
     assert!(server.seen().iter().all(|s| s.keys == 1));
+    // The default policy's backoff: caps of 100 ms, then 200 ms.
+    let sleeps = clock.sleeps();
+    assert_eq!(sleeps.len(), 2);
+    assert!(sleeps[0] <= Duration::from_millis(100), "{sleeps:?}");
+    assert!(sleeps[1] <= Duration::from_millis(200), "{sleeps:?}");
 }
 
 #[tokio::test]
@@ -170,6 +183,48 @@ async fn request_in_flight_is_retried_and_a_business_409_comes_back_readable() {
 }
 
 #[tokio::test]
+async fn a_replayed_503_is_handed_over_as_the_answer() {
+    let server = ScriptedServer::start(vec![
+        reply(503)
+            .header("idempotent-replayed", "true")
+            .body("stored"),
+        reply(201),
+    ])
+    .await;
+    let response = client()
+        .post(server.url("/x"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 503);
+    let info = info(&response);
+    assert_eq!(info.attempts(), 1);
+    assert!(info.replayed());
+    assert_eq!(response.text().await.unwrap(), "stored");
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
+async fn upstream_outcome_unknown_is_not_retried() {
+    let server = ScriptedServer::start(vec![
+        reply(504).problem(types::UPSTREAM_OUTCOME_UNKNOWN),
+        reply(201),
+    ])
+    .await;
+    let error = client()
+        .post(server.url("/x"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap_err();
+    let ours = Error::from_middleware(&error).expect("our error");
+    assert!(ours.problem().unwrap().is(types::UPSTREAM_OUTCOME_UNKNOWN));
+    assert_eq!(ours.attempts(), 1);
+    assert_eq!(server.seen().len(), 1);
+}
+
+#[tokio::test]
 async fn a_connection_closed_before_any_response_is_retried_with_the_same_key() {
     let (url, keys) = flaky_server(1).await;
     let response = client()
@@ -186,6 +241,26 @@ async fn a_connection_closed_before_any_response_is_retried_with_the_same_key() 
 }
 
 #[tokio::test]
+async fn retry_after_is_waited_on_the_clock() {
+    let server = ScriptedServer::start(vec![
+        reply(409)
+            .problem(types::REQUEST_IN_FLIGHT)
+            .header("retry-after", "2"),
+        reply(201),
+    ])
+    .await;
+    let clock = ManualClock::new();
+    let response = client_on(&clock)
+        .post(server.url("/x"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(info(&response).attempts(), 2);
+    assert_eq!(clock.sleeps(), [Duration::from_secs(2)]);
+}
+
+#[tokio::test]
 async fn the_retention_horizon_stops_retries() {
     let server = ScriptedServer::start(vec![
         reply(503)
@@ -193,7 +268,8 @@ async fn the_retention_horizon_stops_retries() {
             .expires_in(Duration::from_secs(1)),
     ])
     .await;
-    let error = client()
+    let clock = ManualClock::new();
+    let error = client_on(&clock)
         .post(server.url("/x"))
         .body("{}")
         .send()
@@ -204,6 +280,7 @@ async fn the_retention_horizon_stops_retries() {
         matches!(ours, Error::RetentionHorizon { attempts: 1, .. }),
         "{ours:?}"
     );
+    assert_eq!(clock.sleeps(), []);
     assert_eq!(server.seen().len(), 1);
 }
 

@@ -22,6 +22,7 @@
 mod decision;
 mod fingerprint;
 mod key;
+pub mod problem;
 pub mod protocol;
 mod record;
 mod scope;

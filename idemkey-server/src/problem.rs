@@ -1,8 +1,10 @@
 //! The payments API's own error answers, in the same problem+json shape as the layer's.
+//!
+//! Their `type`, status and title come from the registry, [`idemkey_core::problem`].
 
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
-use idemkey_tower::{PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
+use idemkey_core::problem::{self, PROBLEM_JSON};
 
 /// An error of the payments API.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,47 +24,29 @@ pub(crate) enum ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let (status, name, title, detail, errors) = match self {
+        let (problem, detail, errors) = match self {
             Self::Unauthorized => (
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "Unauthorized",
+                &problem::UNAUTHORIZED,
                 "a valid `Authorization: Bearer <token>` header is required".to_owned(),
                 None,
             ),
-            Self::InvalidRequest(errors) => (
-                StatusCode::BAD_REQUEST,
-                "invalid-request",
-                "Invalid request",
-                errors.join("; "),
-                Some(errors),
-            ),
-            Self::PaymentDeclined(reason) => (
-                StatusCode::PAYMENT_REQUIRED,
-                "payment-declined",
-                "Payment declined",
-                reason,
-                None,
-            ),
-            Self::NotFound => (
-                StatusCode::NOT_FOUND,
-                "not-found",
-                "Not found",
-                "no such payment".to_owned(),
-                None,
-            ),
+            Self::InvalidRequest(errors) => {
+                (&problem::INVALID_REQUEST, errors.join("; "), Some(errors))
+            }
+            Self::PaymentDeclined(reason) => (&problem::PAYMENT_DECLINED, reason, None),
+            Self::NotFound => (&problem::NOT_FOUND, "no such payment".to_owned(), None),
             Self::Internal => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal-error",
-                "Internal error",
+                &problem::INTERNAL_ERROR,
                 "the request failed; nothing was executed".to_owned(),
                 None,
             ),
         };
+        let status = StatusCode::from_u16(problem.status)
+            .expect("every registered problem type has a valid status");
         let mut body = serde_json::json!({
-            "type": format!("{PROBLEM_TYPE_PREFIX}{name}"),
-            "title": title,
-            "status": status.as_u16(),
+            "type": problem.uri,
+            "title": problem.title,
+            "status": problem.status,
             "detail": detail,
         });
         if let Some(errors) = errors {

@@ -529,7 +529,7 @@ pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harnes
     protocol::resolve(
         &store,
         &id,
-        &Resolution::Completed(response("{\"settled\":1}")),
+        &Resolution::Completed(response("{\"resolved\":1}")),
         "operator:test",
         None,
     )
@@ -539,7 +539,7 @@ pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harnes
         .await
         .expect("reserve");
     assert!(
-        matches!(&outcome, ClaimOutcome::Replay { response, .. } if response.body == b"{\"settled\":1}"),
+        matches!(&outcome, ClaimOutcome::Replay { response, .. } if response.body == b"{\"resolved\":1}"),
         "{outcome:?}"
     );
     // The stale owner cannot overwrite the operator's answer.

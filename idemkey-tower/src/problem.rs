@@ -1,19 +1,17 @@
 //! The layer's error answers: `application/problem+json` (RFC 9457), one stable `type` each.
 //!
-//! Every case decides its status, title and problem type here, next to its definition; the
-//! list is documented in `docs/contract.md`.
+//! Every case names its problem type here, next to its definition; the type's status, title
+//! and retry answer are declared once in [`idemkey_core::problem`], which `docs/contract.md`
+//! is checked against.
 
 use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
+use idemkey_core::problem::{self, ProblemType};
 use idemkey_core::{KeyError, Mismatch};
 
-/// The media type of every error answer.
-pub const PROBLEM_JSON: &str = "application/problem+json";
-
-/// The prefix of every problem `type` URI; the name follows it.
-pub const PROBLEM_TYPE_PREFIX: &str = "urn:idemkey:problem:";
+pub use idemkey_core::problem::{PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 
 /// An error answered by the idempotency layer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -91,7 +89,7 @@ pub enum IdempotencyRejection {
     },
     /// Gateway: the request was sent upstream, and no complete answer came back (time-out,
     /// reset, closed connection). The operation may or may not have happened; it is not
-    /// re-executed until it is settled.
+    /// re-executed until it is resolved.
     #[error(
         "the request was sent to the upstream service and no answer came back; its outcome is unknown and it will not be retried automatically"
     )]
@@ -106,78 +104,48 @@ pub enum IdempotencyRejection {
 }
 
 impl IdempotencyRejection {
+    /// The problem type of this answer: its `type`, status and title, and whether a client
+    /// may retry it with the same key.
+    pub fn problem(&self) -> &'static ProblemType {
+        match self {
+            Self::KeyMissing => &problem::KEY_MISSING,
+            Self::KeyInvalid(_) => &problem::KEY_INVALID,
+            Self::RequestTooLarge { .. } => &problem::REQUEST_TOO_LARGE,
+            Self::RequestUnreadable => &problem::REQUEST_UNREADABLE,
+            Self::KeyReused(_) => &problem::KEY_REUSED,
+            Self::InFlight { .. } => &problem::REQUEST_IN_FLIGHT,
+            Self::OutcomeUnknown { .. } => &problem::OUTCOME_UNKNOWN,
+            Self::StoreUnavailable { .. } => &problem::STORE_UNAVAILABLE,
+            Self::StoreBusy { .. } => &problem::STORE_BUSY,
+            Self::ResponseTooLarge { .. } => &problem::RESPONSE_TOO_LARGE,
+            Self::Internal => &problem::INTERNAL_ERROR,
+            Self::TransactionUnavailable => &problem::TRANSACTION_UNAVAILABLE,
+            Self::KeyNotFound => &problem::KEY_NOT_FOUND,
+            Self::UpstreamUnavailable { .. } => &problem::UPSTREAM_UNAVAILABLE,
+            Self::UpstreamOutcomeUnknown { .. } => &problem::UPSTREAM_OUTCOME_UNKNOWN,
+            Self::UpstreamFailed => &problem::UPSTREAM_FAILED,
+        }
+    }
+
     /// The HTTP status of this answer.
     pub fn status(&self) -> StatusCode {
-        match self {
-            Self::KeyMissing | Self::KeyInvalid(_) | Self::RequestUnreadable => {
-                StatusCode::BAD_REQUEST
-            }
-            Self::RequestTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::KeyReused(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::InFlight { .. } | Self::OutcomeUnknown { .. } => StatusCode::CONFLICT,
-            Self::StoreUnavailable { .. } | Self::StoreBusy { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
-            Self::ResponseTooLarge { .. } | Self::Internal | Self::TransactionUnavailable => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
-            Self::KeyNotFound => StatusCode::NOT_FOUND,
-            Self::UpstreamUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            Self::UpstreamOutcomeUnknown { .. } => StatusCode::GATEWAY_TIMEOUT,
-            Self::UpstreamFailed => StatusCode::BAD_GATEWAY,
-        }
+        StatusCode::from_u16(self.problem().status)
+            .expect("every registered problem type has a valid status")
     }
 
     /// The problem type's name (the part after [`PROBLEM_TYPE_PREFIX`]).
     pub fn type_name(&self) -> &'static str {
-        match self {
-            Self::KeyMissing => "key-missing",
-            Self::KeyInvalid(_) => "key-invalid",
-            Self::RequestTooLarge { .. } => "request-too-large",
-            Self::RequestUnreadable => "request-unreadable",
-            Self::KeyReused(_) => "key-reused",
-            Self::InFlight { .. } => "request-in-flight",
-            Self::OutcomeUnknown { .. } => "outcome-unknown",
-            Self::StoreUnavailable { .. } => "store-unavailable",
-            Self::StoreBusy { .. } => "store-busy",
-            Self::ResponseTooLarge { .. } => "response-too-large",
-            Self::Internal => "internal-error",
-            Self::TransactionUnavailable => "transaction-unavailable",
-            Self::KeyNotFound => "key-not-found",
-            Self::UpstreamUnavailable { .. } => "upstream-unavailable",
-            Self::UpstreamOutcomeUnknown { .. } => "upstream-outcome-unknown",
-            Self::UpstreamFailed => "upstream-failed",
-        }
-    }
-
-    fn title(&self) -> &'static str {
-        match self {
-            Self::KeyMissing => "Idempotency-Key missing",
-            Self::KeyInvalid(_) => "Idempotency-Key invalid",
-            Self::RequestTooLarge { .. } => "Request body too large",
-            Self::RequestUnreadable => "Request body unreadable",
-            Self::KeyReused(_) => "Idempotency-Key reused with a different request",
-            Self::InFlight { .. } => "Request in flight",
-            Self::OutcomeUnknown { .. } => "Outcome unknown",
-            Self::StoreUnavailable { .. } => "Idempotency store unavailable",
-            Self::StoreBusy { .. } => "Idempotency store busy",
-            Self::ResponseTooLarge { .. } => "Response too large to store",
-            Self::Internal => "Internal error",
-            Self::TransactionUnavailable => "Transaction unavailable",
-            Self::KeyNotFound => "Idempotency-Key not found",
-            Self::UpstreamUnavailable { .. } => "Upstream unavailable",
-            Self::UpstreamOutcomeUnknown { .. } => "Upstream outcome unknown",
-            Self::UpstreamFailed => "Upstream failed",
-        }
+        self.problem().name
     }
 }
 
 impl IntoResponse for IdempotencyRejection {
     fn into_response(self) -> Response {
+        let problem = self.problem();
         let status = self.status();
         let mut body = serde_json::json!({
-            "type": format!("{PROBLEM_TYPE_PREFIX}{}", self.type_name()),
-            "title": self.title(),
+            "type": problem.uri,
+            "title": problem.title,
             "status": status.as_u16(),
             "detail": self.to_string(),
         });
@@ -212,5 +180,18 @@ impl IntoResponse for IdempotencyRejection {
             headers.insert(header::LINK, link);
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_registered_status_is_an_http_status() {
+        // What `status()` relies on.
+        for p in problem::ALL {
+            assert!(StatusCode::from_u16(p.status).is_ok(), "{}", p.name);
+        }
     }
 }

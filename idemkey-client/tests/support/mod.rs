@@ -2,12 +2,13 @@
 #![allow(dead_code)]
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use idemkey_client::{Clock, Sleep};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -66,7 +67,6 @@ pub(crate) struct Seen {
     pub(crate) key: Option<String>,
     pub(crate) keys: usize,
     pub(crate) body: Bytes,
-    pub(crate) at: Instant,
 }
 
 #[derive(Clone)]
@@ -127,7 +127,6 @@ async fn answer(
             key: values.first().cloned(),
             keys: values.len(),
             body,
-            at: Instant::now(),
         });
         seen.len() - 1
     };
@@ -232,4 +231,52 @@ pub(crate) fn fast() -> idemkey_client::RetryPolicy {
     idemkey_client::RetryPolicy::new()
         .with_initial_delay(Duration::from_millis(10))
         .with_max_delay(Duration::from_millis(50))
+}
+
+/// A clock whose waits take no time: `sleep` moves its time forward by the delay, records the
+/// delay and returns at once.
+#[derive(Debug)]
+pub(crate) struct ManualClock {
+    state: Mutex<ManualState>,
+}
+
+#[derive(Debug)]
+struct ManualState {
+    now: SystemTime,
+    sleeps: Vec<Duration>,
+}
+
+impl ManualClock {
+    /// Starts at the current time rounded down to the second (the scripted servers date their
+    /// `Idempotency-Key-Expires` on the system clock; HTTP-dates made from it are exact).
+    pub(crate) fn new() -> Arc<Self> {
+        let since_epoch = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap();
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(since_epoch.as_secs());
+        Arc::new(Self {
+            state: Mutex::new(ManualState {
+                now,
+                sleeps: Vec::new(),
+            }),
+        })
+    }
+
+    /// Every delay the client waited, in order.
+    pub(crate) fn sleeps(&self) -> Vec<Duration> {
+        self.state.lock().unwrap().sleeps.clone()
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> SystemTime {
+        self.state.lock().unwrap().now
+    }
+
+    fn sleep(&self, duration: Duration) -> Sleep<'_> {
+        let mut state = self.state.lock().unwrap();
+        state.now += duration;
+        state.sleeps.push(duration);
+        Box::pin(std::future::ready(()))
+    }
 }
