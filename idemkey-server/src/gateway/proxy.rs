@@ -71,13 +71,7 @@ async fn forward_keyed<S: AppDb>(
     // Nothing has been sent yet: whatever happens here frees the key.
     let stream = match connect(&options).await {
         Ok(stream) => stream,
-        Err(e) => {
-            tracing::warn!(error = %e, "upstream unreachable; nothing was sent");
-            return IdempotencyRejection::UpstreamUnavailable {
-                retry_after: RETRY_AFTER,
-            }
-            .into_response();
-        }
+        Err(unreachable) => return unreachable,
     };
     if let Err(rejection) = op.point_of_no_return().await {
         tracing::warn!(error = %rejection, "cannot mark the point of no return; nothing was sent");
@@ -128,12 +122,20 @@ fn upstream_request(options: &GatewayOptions, parts: &Parts, body: Body) -> Requ
     req
 }
 
-async fn connect(options: &GatewayOptions) -> io::Result<TcpStream> {
+/// Opens a connection to the upstream, or answers 503 `upstream-unavailable`: nothing was
+/// sent.
+async fn connect(options: &GatewayOptions) -> Result<TcpStream, Response> {
     let connecting = TcpStream::connect(options.upstream.authority.as_str());
-    match tokio::time::timeout(options.connect_timeout, connecting).await {
-        Ok(result) => result,
-        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")),
+    let error = match tokio::time::timeout(options.connect_timeout, connecting).await {
+        Ok(Ok(stream)) => return Ok(stream),
+        Ok(Err(e)) => e,
+        Err(_) => io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
+    };
+    tracing::warn!(%error, "upstream unreachable; nothing was sent");
+    Err(IdempotencyRejection::UpstreamUnavailable {
+        retry_after: RETRY_AFTER,
     }
+    .into_response())
 }
 
 /// Sends `req` on an open connection (HTTP/1.1, one request per connection).
@@ -163,13 +165,7 @@ async fn forward_plain(options: &GatewayOptions, req: Request) -> Response {
     let (parts, body) = req.into_parts();
     let stream = match connect(options).await {
         Ok(stream) => stream,
-        Err(e) => {
-            tracing::warn!(error = %e, "upstream unreachable");
-            return IdempotencyRejection::UpstreamUnavailable {
-                retry_after: RETRY_AFTER,
-            }
-            .into_response();
-        }
+        Err(unreachable) => return unreachable,
     };
     let sending = send(stream, upstream_request(options, &parts, body));
     match tokio::time::timeout(options.upstream_timeout, sending).await {
