@@ -11,13 +11,20 @@ const DEFAULT_WAIT: std::time::Duration = InFlightPolicy::DEFAULT_WAIT;
 
 #[tokio::main]
 async fn main() {
+    let cli = Cli::parse();
+    // The demo prints a table: its embedded server and proxy log only errors there, unless
+    // RUST_LOG asks for more.
+    let default_filter = match cli.command {
+        Command::Demo(_) => "error",
+        _ => "info",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .init();
-    if let Err(e) = run(Cli::parse()).await {
+    if let Err(e) = run(cli).await {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }

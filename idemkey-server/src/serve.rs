@@ -2,13 +2,14 @@
 //! shutdown.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use idemkey_core::{KeyHasher, Timestamp, protocol};
+use idemkey_core::{KeyHasher, SystemClock};
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::SqliteStore;
-use idemkey_tower::{InFlightPolicy, Metrics};
+use idemkey_tower::{InFlightPolicy, Metrics, PurgeTask};
 use rand::RngCore;
 
 use crate::{ApiKeys, AppConfig, AppDb, app};
@@ -141,30 +142,14 @@ pub async fn serve<S: AppDb>(db: S, options: ServeOptions) -> anyhow::Result<()>
         .with_context(|| format!("cannot listen on {}", options.listen))?;
     println!("idemkey listening on http://{}", listener.local_addr()?);
 
-    let purge = tokio::spawn(purge_loop(db, metrics, options.purge_interval));
+    let purge = PurgeTask::spawn(db, options.purge_interval, metrics, Arc::new(SystemClock));
     axum::serve(listener, router)
         .with_graceful_shutdown(shutdown_signal())
         .await
         .context("server failed")?;
-    purge.abort();
+    drop(purge);
     println!("idemkey stopped");
     Ok(())
-}
-
-pub(crate) async fn purge_loop<S: AppDb>(db: S, metrics: Metrics, every: Duration) {
-    let mut tick = tokio::time::interval(every.max(Duration::from_secs(1)));
-    loop {
-        tick.tick().await;
-        match protocol::purge_expired(&db, Timestamp::now(), 1000).await {
-            Ok(n) => {
-                metrics.purged(n);
-                if n > 0 {
-                    tracing::info!(purged = n, "purged expired idempotency records");
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "purge failed; will try again"),
-        }
-    }
 }
 
 pub(crate) async fn shutdown_signal() {

@@ -23,6 +23,7 @@ mod layer;
 mod metrics;
 mod policy;
 mod problem;
+mod purge;
 mod service;
 mod status;
 mod tx;
@@ -32,6 +33,7 @@ pub use self::layer::{IdempotencyLayer, STATUS_PATH};
 pub use self::metrics::{Metrics, Outcome, Reconciled};
 pub use self::policy::{InFlightPolicy, KeyRequirement};
 pub use self::problem::{IdempotencyRejection, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
+pub use self::purge::{PURGE_BATCH, PurgeStats, PurgeTask};
 pub use self::service::{
     EXPIRES_HEADER, IdempotencyService, REPLAYED_HEADER, RETRY_AFTER, is_safe, stored_headers,
 };

@@ -770,3 +770,41 @@ async fn busy_sqlite_lock_answers_503_store_busy_and_runs_nothing() {
     assert_eq!(m.count(Outcome::InFlight), 0);
     assert_eq!(m.count(Outcome::StoreError), 1);
 }
+
+/// The purge a library user spawns from the layer deletes expired records (and only those),
+/// in the background, and counts them.
+#[tokio::test]
+async fn spawned_purge_deletes_expired_records() {
+    let (_dir, store) = setup().await;
+    let clock = Arc::new(ManualClock(AtomicI64::new(1_800_000_000_000)));
+    let retention = Duration::from_secs(3600);
+    let metrics = Metrics::new();
+    let idempotency = layer(&store)
+        .required()
+        .retention(retention)
+        .clock(clock.clone())
+        .metrics(metrics.clone());
+    let app = app(idempotency.clone());
+    for key in ["k-old-1", "k-old-2", "k-old-3"] {
+        send(&app, request(Some(key), r#"{"status": 201}"#)).await;
+    }
+    clock.advance(retention);
+    send(&app, request(Some("k-new"), r#"{"status": 201}"#)).await;
+    assert_eq!(records(&store).await, 4);
+
+    let purge = idempotency.spawn_purge(Duration::from_secs(60));
+    let mut stats = purge.stats();
+    let done = stats.wait_for(|s| s.rounds >= 1);
+    let done = tokio::time::timeout(Duration::from_secs(10), done)
+        .await
+        .expect("the first round runs at once")
+        .unwrap()
+        .to_owned();
+    assert_eq!((done.purged, done.failures), (3, 0));
+    assert_eq!(records(&store).await, 1, "the live record stays");
+    assert!(
+        metrics.render().contains("idemkey_purged_total 3\n"),
+        "{}",
+        metrics.render()
+    );
+}

@@ -21,13 +21,13 @@ use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::{Method, header};
-use idemkey_core::{AnswerRule, KeyHasher};
+use idemkey_core::{AnswerRule, KeyHasher, SystemClock};
 use idemkey_tower::{
-    IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, Tenant, status_router,
+    IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant, status_router,
 };
 
 use crate::problem::ApiError;
-use crate::serve::{key_secret, purge_loop, shutdown_signal};
+use crate::serve::{key_secret, shutdown_signal};
 use crate::{ApiKeys, AppDb};
 
 mod proxy;
@@ -323,7 +323,7 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
         "idemkey gateway listening on http://{}",
         listener.local_addr()?
     );
-    let purge = tokio::spawn(purge_loop(db, metrics, options.purge_interval));
+    let purge = PurgeTask::spawn(db, options.purge_interval, metrics, Arc::new(SystemClock));
     let reconcile = options.reconcile_url.clone().map(|template| {
         tokio::spawn(reconciler::run(
             gw.clone(),
@@ -335,7 +335,7 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
         .with_graceful_shutdown(shutdown_signal())
         .await
         .context("gateway failed")?;
-    purge.abort();
+    drop(purge);
     if let Some(r) = reconcile {
         r.abort();
     }
