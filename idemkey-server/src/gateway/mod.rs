@@ -79,7 +79,8 @@ impl Upstream {
 pub struct RouteRule {
     /// `None`: any method.
     method: Option<Method>,
-    /// The path as written (it names the scope's route: `POST /v1/*`).
+    /// The path as written (with the request's method, it names the scope's route:
+    /// `POST /v1/*`).
     pattern: String,
     /// Whether `pattern` ends in `*`.
     prefix: bool,
@@ -138,7 +139,8 @@ impl RouteRule {
         }
     }
 
-    /// The route template of the scope and the fingerprint: the pattern as written.
+    /// The route template of the scope and the fingerprint: the path as written (the scope
+    /// puts the request's method before it).
     fn pattern(&self) -> &str {
         &self.pattern
     }
