@@ -201,6 +201,44 @@ async fn claim_on<S: Store>(
     Ok(in_flight(None))
 }
 
+/// Key-secret rotation: what the record kept under the previous secret's identity `id`
+/// answers, before a claim under the current secret's identity.
+///
+/// `None` when there is nothing to answer from (no record, an expired one, or a reservation
+/// whose owner stopped before the point of no return): the caller claims under the current
+/// identity. Otherwise the answer a claim that lost to this record would get (a replay,
+/// a mismatch, in flight, outcome unknown), by the same [`decide`]; a lapsed executing
+/// record is marked indeterminate, as a claim would mark it. The record is read on a
+/// pooled connection of its own, outside any transaction of the caller's.
+pub async fn lookup_previous<S: Store>(
+    store: &S,
+    id: &RecordId,
+    fingerprint: &Fingerprint,
+    now: Timestamp,
+) -> Result<Option<ClaimOutcome>> {
+    let mut conn = store.acquire().await?;
+    let existing = match store.fetch(&mut conn, id).await {
+        Ok(existing) => existing,
+        Err(StoreError::Busy(_)) => return Ok(Some(in_flight(None))),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(match decide(existing.as_ref(), fingerprint, now) {
+        Decision::Execute | Decision::TakeOver { .. } => None,
+        Decision::Replay(response) => Some(ClaimOutcome::Replay {
+            response: response.clone(),
+            expires_at: existing.as_ref().map_or(now, |r| r.expires_at),
+        }),
+        Decision::Mismatch(m) => Some(ClaimOutcome::Mismatch(m)),
+        Decision::InFlight { lease_expires_at } => Some(in_flight(lease_expires_at)),
+        Decision::OutcomeUnknown { mark_indeterminate } => {
+            if let Some(token) = mark_indeterminate {
+                store.mark_indeterminate(&mut conn, id, token, now).await?;
+            }
+            Some(ClaimOutcome::OutcomeUnknown)
+        }
+    })
+}
+
 fn in_flight(lease_expires_at: Option<Timestamp>) -> ClaimOutcome {
     ClaimOutcome::InFlight { lease_expires_at }
 }

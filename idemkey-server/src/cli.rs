@@ -1,6 +1,7 @@
 //! The command line of `idemkey`.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -23,9 +24,10 @@ pub enum Command {
     Serve(ServeArgs),
     /// Put the idempotency contract in front of any HTTP service (a reverse proxy).
     Gateway(GatewayArgs),
-    /// Run the database migrations (idemkey's and the payments API's) and exit.
+    /// Run the database migrations (idemkey's and the payments API's) and exit; creates a
+    /// missing SQLite file.
     Migrate(DbArgs),
-    /// Inspect and manage idempotency records.
+    /// Inspect and manage idempotency records (opens an existing, migrated database).
     #[command(subcommand)]
     Keys(KeysCommand),
     /// Load-test a server that speaks the contract (ratios against a baseline in one run).
@@ -98,10 +100,30 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
+/// The key secret: what hashes keys (and seals the gateway's raw keys), and the previous one
+/// during a rotation.
+#[derive(Debug, Clone, Default, Args)]
+pub struct KeySecretArgs {
+    /// The secret keys are hashed with (not with --key-secret-file).
+    #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
+    pub key_secret: Option<String>,
+    /// A file holding the key secret (its trailing newline is ignored).
+    #[arg(long, value_name = "PATH")]
+    pub key_secret_file: Option<PathBuf>,
+    /// Rotation: the secret used before --key-secret, still accepted for look-ups until the
+    /// retention has passed (not with --previous-key-secret-file).
+    #[arg(long, env = "IDEMKEY_PREVIOUS_KEY_SECRET", hide_env_values = true)]
+    pub previous_key_secret: Option<String>,
+    /// A file holding the previous key secret.
+    #[arg(long, value_name = "PATH")]
+    pub previous_key_secret_file: Option<PathBuf>,
+}
+
 /// Where the database is.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
-    /// `sqlite:<path>` (created if missing) or `postgres://…`.
+    /// `sqlite:<path>` or `postgres://…`. Only `serve`, `gateway` and `migrate` create a
+    /// missing SQLite file and the tables; the other commands open what they made.
     #[arg(
         long,
         env = "IDEMKEY_DATABASE_URL",
@@ -137,9 +159,13 @@ pub struct ServeArgs {
     /// API keys as "t1=tok1,t2=tok2" (added to --api-key).
     #[arg(long, env = "IDEMKEY_API_KEYS", hide_env_values = true)]
     pub api_keys_env: Option<String>,
-    /// The secret keys are hashed with. Default: generated once and kept in the database.
-    #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
-    pub key_secret: Option<String>,
+    /// The key secret (PostgreSQL: required, unless --key-secret-in-database).
+    #[command(flatten)]
+    pub secret: KeySecretArgs,
+    /// Without a given key secret, keep it in the database (generated on first start), beside
+    /// the keys it protects. The default on SQLite (with a warning); PostgreSQL needs this flag.
+    #[arg(long)]
+    pub key_secret_in_database: bool,
     /// Milliseconds the payment handler waits inside its transaction.
     #[arg(long, value_name = "MS", default_value_t = 0)]
     pub simulate_latency: u64,
@@ -201,7 +227,7 @@ pub struct GatewayArgs {
     /// The service requests are forwarded to, e.g. http://127.0.0.1:9000 (http only).
     #[arg(long)]
     pub upstream: String,
-    /// `sqlite:<path>` (created if missing) or `postgres://…`.
+    /// `sqlite:<path>` (created if missing, with the tables) or `postgres://…`.
     #[arg(
         long,
         env = "IDEMKEY_DATABASE_URL",
@@ -259,9 +285,14 @@ pub struct GatewayArgs {
     /// API keys as "t1=tok1,t2=tok2" (added to --api-key).
     #[arg(long, env = "IDEMKEY_API_KEYS", hide_env_values = true)]
     pub api_keys_env: Option<String>,
-    /// The secret keys are hashed and sealed with. Default: kept in the database.
-    #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
-    pub key_secret: Option<String>,
+    /// The secret keys are hashed and sealed with (PostgreSQL: required, unless
+    /// --key-secret-in-database).
+    #[command(flatten)]
+    pub secret: KeySecretArgs,
+    /// Without a given key secret, keep it in the database (generated on first start), beside
+    /// the keys it protects. The default on SQLite (with a warning); PostgreSQL needs this flag.
+    #[arg(long)]
+    pub key_secret_in_database: bool,
     /// Where the reconciler asks about an operation whose outcome is unknown; `{key}` is
     /// replaced by the key, e.g. http://127.0.0.1:9000/v1/transfers?idempotency_key={key}.
     #[arg(long, value_name = "TEMPLATE")]
@@ -305,6 +336,9 @@ pub enum KeysCommand {
         /// The database.
         #[command(flatten)]
         db: DbArgs,
+        /// The key secret the server uses (default: the one kept in the database, if any).
+        #[command(flatten)]
+        secret: KeySecretArgs,
         /// Only this tenant's.
         #[arg(long)]
         tenant: Option<String>,
@@ -326,9 +360,9 @@ pub enum KeysCommand {
         /// The database.
         #[command(flatten)]
         db: DbArgs,
-        /// The key-hashing secret, if the server was given one.
-        #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
-        key_secret: Option<String>,
+        /// The key secret the server uses (default: the one kept in the database, if any).
+        #[command(flatten)]
+        secret: KeySecretArgs,
         /// The tenant.
         #[arg(long)]
         tenant: String,
@@ -343,9 +377,9 @@ pub enum KeysCommand {
         /// The database.
         #[command(flatten)]
         db: DbArgs,
-        /// The key-hashing secret, if the server was given one.
-        #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
-        key_secret: Option<String>,
+        /// The key secret the server uses (default: the one kept in the database, if any).
+        #[command(flatten)]
+        secret: KeySecretArgs,
         /// The tenant.
         #[arg(long)]
         tenant: String,
@@ -360,9 +394,9 @@ pub enum KeysCommand {
         /// The database.
         #[command(flatten)]
         db: DbArgs,
-        /// The key-hashing secret, if the server was given one.
-        #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
-        key_secret: Option<String>,
+        /// The key secret the server uses (default: the one kept in the database, if any).
+        #[command(flatten)]
+        secret: KeySecretArgs,
         /// The tenant.
         #[arg(long)]
         tenant: String,
@@ -399,6 +433,9 @@ pub enum KeysCommand {
         /// The database.
         #[command(flatten)]
         db: DbArgs,
+        /// The key secret the server uses (default: the one kept in the database, if any).
+        #[command(flatten)]
+        secret: KeySecretArgs,
         /// Rows per batch.
         #[arg(long, default_value_t = 1000)]
         batch: u32,

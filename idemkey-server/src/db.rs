@@ -35,6 +35,22 @@ pub struct Payment {
 
 /// A store that also holds the payments tables.
 pub trait AppDb: Store {
+    /// Whether the database is embedded in the server (SQLite), where keeping the key secret
+    /// in the database is the default for convenience.
+    const EMBEDDED: bool;
+
+    /// The tables a database needs before an operator command may use it (idemkey's and
+    /// the payments API's), which are missing here: none once `idemkey migrate` (or `serve`)
+    /// ran.
+    fn missing_tables(&self)
+    -> impl Future<Output = Result<Vec<&'static str>, sqlx::Error>> + Send;
+
+    /// Reads the setting `name`, if it is set; never writes.
+    fn setting(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, sqlx::Error>> + Send;
+
     /// Runs idemkey's migrations and the payments API's.
     fn migrate_all(&self) -> impl Future<Output = anyhow::Result<()>> + Send;
 
@@ -67,10 +83,38 @@ pub trait AppDb: Store {
     ) -> impl Future<Output = Result<Vec<u8>, sqlx::Error>> + Send;
 }
 
+/// The tables [`AppDb::missing_tables`] looks for.
+const REQUIRED_TABLES: [&str; 3] = ["idemkey_records", "idemkey_audit", "server_settings"];
+
 static SQLITE_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/sqlite");
 static PG_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/postgres");
 
 impl AppDb for SqliteStore {
+    const EMBEDDED: bool = true;
+
+    async fn missing_tables(&self) -> Result<Vec<&'static str>, sqlx::Error> {
+        let mut missing = Vec::new();
+        for table in REQUIRED_TABLES {
+            let found: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+            )
+            .bind(table)
+            .fetch_one(self.pool())
+            .await?;
+            if found == 0 {
+                missing.push(table);
+            }
+        }
+        Ok(missing)
+    }
+
+    async fn setting(&self, name: &str) -> Result<Option<Vec<u8>>, sqlx::Error> {
+        sqlx::query_scalar("SELECT value FROM server_settings WHERE name = ?1")
+            .bind(name)
+            .fetch_optional(self.pool())
+            .await
+    }
+
     async fn migrate_all(&self) -> anyhow::Result<()> {
         self.migrate().await?;
         SQLITE_APP_MIGRATIONS.run(self.pool()).await?;
@@ -146,6 +190,29 @@ impl AppDb for SqliteStore {
 }
 
 impl AppDb for PgStore {
+    const EMBEDDED: bool = false;
+
+    async fn missing_tables(&self) -> Result<Vec<&'static str>, sqlx::Error> {
+        let mut missing = Vec::new();
+        for table in REQUIRED_TABLES {
+            let found: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                .bind(table)
+                .fetch_one(self.pool())
+                .await?;
+            if !found {
+                missing.push(table);
+            }
+        }
+        Ok(missing)
+    }
+
+    async fn setting(&self, name: &str) -> Result<Option<Vec<u8>>, sqlx::Error> {
+        sqlx::query_scalar("SELECT value FROM server_settings WHERE name = $1")
+            .bind(name)
+            .fetch_optional(self.pool())
+            .await
+    }
+
     async fn migrate_all(&self) -> anyhow::Result<()> {
         self.migrate().await?;
         PG_APP_MIGRATIONS.run(self.pool()).await?;

@@ -4,6 +4,10 @@
 //! proxy in front that loses responses after the server has answered, and sends logical
 //! payments through it with the idempotency client, which retries with the same key. Then it
 //! counts: every logical payment should exist exactly once.
+//!
+//! The key secret is a throwaway one made for the run and kept in memory only, on either
+//! database: the demo's records need no look-up after it ends, and nothing secret is left in
+//! the database (a PostgreSQL one especially).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,10 +20,10 @@ use idemkey_client::{IdempotentClient, Operation, RetryPolicy};
 use idemkey_fault_proxy::{FaultConfig, FaultProxy};
 use idemkey_tower::{InFlightPolicy, Metrics};
 use indicatif::{ProgressBar, ProgressStyle};
+use rand::RngCore;
 use serde::Serialize;
 
-use crate::serve::key_hasher;
-use crate::{ApiKeys, AppConfig, AppDb, app, connect, with_store};
+use crate::{ApiKeys, AppConfig, AppDb, KeySecrets, app, connect, with_store};
 
 const TOKEN: &str = "sk_demo_lossy_network";
 
@@ -99,14 +103,17 @@ impl DemoReport {
 
 async fn start_server<S: AppDb>(db: S) -> anyhow::Result<SocketAddr> {
     db.migrate_all().await.context("migrations failed")?;
-    let hasher = key_hasher(&db, None).await?;
+    // A throwaway key secret: see the module documentation.
+    let mut secret = [0u8; 32];
+    rand::thread_rng().fill_bytes(&mut secret);
+    let secrets = KeySecrets::new(secret.to_vec(), None);
     let config = AppConfig {
         api_keys: ApiKeys::new([("demo".to_owned(), TOKEN.to_owned())]),
         simulate_latency: Duration::ZERO,
         retention: Duration::from_secs(24 * 3600),
         in_flight: InFlightPolicy::default(),
     };
-    let router = app(db, hasher, Metrics::new(), &config);
+    let router = app(db, &secrets, Metrics::new(), &config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {

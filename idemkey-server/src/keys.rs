@@ -1,4 +1,5 @@
-//! `idemkey keys …` and `idemkey migrate`: operator commands on either store.
+//! `idemkey keys …`: operator commands on either store. They open an existing database
+//! ([`open_existing`](crate::open_existing)) and an existing key secret, and create neither.
 
 use std::io::Write;
 
@@ -10,8 +11,8 @@ use idemkey_core::{
 };
 
 use crate::AppDb;
-use crate::cli::{KeysCommand, StateArg};
-use crate::serve::key_hasher;
+use crate::cli::{KeySecretArgs, KeysCommand, StateArg};
+use crate::secret::{KeySecrets, SecretUse, key_secrets};
 
 fn state(s: StateArg) -> RecordState {
     match s {
@@ -111,13 +112,36 @@ fn print_table(out: &mut impl Write, records: &[Record], now: Timestamp) -> std:
     )
 }
 
-/// Runs one `keys` command against `db`, writing to `out`.
+/// The hashers to look a key up with: the current secret's, then the previous one's.
+fn hashers(secrets: &KeySecrets) -> Vec<KeyHasher> {
+    std::iter::once(secrets.hasher())
+        .chain(secrets.previous_hasher())
+        .collect()
+}
+
+/// The key secret arguments of `command`.
+pub fn secret_args(command: &KeysCommand) -> &KeySecretArgs {
+    match command {
+        KeysCommand::List { secret, .. }
+        | KeysCommand::Show { secret, .. }
+        | KeysCommand::Evict { secret, .. }
+        | KeysCommand::Resolve { secret, .. }
+        | KeysCommand::Purge { secret, .. } => secret,
+    }
+}
+
+/// Runs one `keys` command against `db` (an existing database, opened with
+/// [`open_existing`](crate::open_existing), at `url`), writing to `out`.
+///
+/// Every command needs the key secret the server uses, given or kept in the database; a
+/// missing one is an error, never a new secret.
 pub async fn run<S: AppDb>(
     db: S,
+    url: &str,
     command: KeysCommand,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
-    db.migrate_all().await.context("migrations failed")?;
+    let secrets = key_secrets(&db, url, secret_args(&command), SecretUse::Open).await?;
     let now = Timestamp::now();
     match command {
         KeysCommand::List {
@@ -145,23 +169,31 @@ pub async fn run<S: AppDb>(
             }
         }
         KeysCommand::Show {
-            key_secret,
             tenant,
             route,
             key: raw,
             ..
         } => {
-            let hasher = key_hasher(&db, key_secret.as_deref()).await?;
             let key = key(&raw)?;
-            let key_hash = hasher.key_hash(&tenant, &key);
             let mut conn = db.acquire().await?;
-            let records = db.find_by_key(&mut conn, &tenant, &key_hash).await?;
+            let mut records: Vec<Record> = Vec::new();
+            for hasher in hashers(&secrets) {
+                let key_hash = hasher.key_hash(&tenant, &key);
+                records.extend(db.find_by_key(&mut conn, &tenant, &key_hash).await?);
+            }
             // The audit trail of a route outlives its record (a released key).
             let gone = match &route {
                 Some(route) if !records.iter().any(|r| r.id.route == normalize(route)) => {
-                    let id = record_id(&hasher, &tenant, route, &key)?;
-                    let trail = db.audit(&mut conn, &id).await?;
-                    (!trail.is_empty()).then_some((id, trail))
+                    let mut found = None;
+                    for hasher in hashers(&secrets) {
+                        let id = record_id(&hasher, &tenant, route, &key)?;
+                        let trail = db.audit(&mut conn, &id).await?;
+                        if !trail.is_empty() {
+                            found = Some((id, trail));
+                            break;
+                        }
+                    }
+                    found
                 }
                 _ => None,
             };
@@ -186,23 +218,27 @@ pub async fn run<S: AppDb>(
             }
         }
         KeysCommand::Evict {
-            key_secret,
             tenant,
             route,
             key: raw,
             ..
         } => {
-            let hasher = key_hasher(&db, key_secret.as_deref()).await?;
-            let id = record_id(&hasher, &tenant, &route, &key(&raw)?)?;
+            let key = key(&raw)?;
             let mut conn = db.acquire().await?;
-            if db.evict(&mut conn, &id).await? {
-                writeln!(out, "evicted {} ({})", id.key_id(), id.route)?;
-            } else {
-                anyhow::bail!("no record for this key on {}", id.route);
+            let mut evicted = None;
+            for hasher in hashers(&secrets) {
+                let id = record_id(&hasher, &tenant, &route, &key)?;
+                if db.evict(&mut conn, &id).await? {
+                    evicted = Some(id);
+                    break;
+                }
+            }
+            match evicted {
+                Some(id) => writeln!(out, "evicted {} ({})", id.key_id(), id.route)?,
+                None => anyhow::bail!("no record for this key on {}", normalize(&route)),
             }
         }
         KeysCommand::Resolve {
-            key_secret,
             tenant,
             route,
             completed,
@@ -213,8 +249,18 @@ pub async fn run<S: AppDb>(
             key: raw,
             ..
         } => {
-            let hasher = key_hasher(&db, key_secret.as_deref()).await?;
-            let id = record_id(&hasher, &tenant, &route, &key(&raw)?)?;
+            let key = key(&raw)?;
+            // The record under the current secret, else under the previous one.
+            let mut id = record_id(&secrets.hasher(), &tenant, &route, &key)?;
+            if let Some(previous) = secrets.previous_hasher() {
+                let previous_id = record_id(&previous, &tenant, &route, &key)?;
+                let mut conn = db.acquire().await?;
+                if db.fetch(&mut conn, &id).await?.is_none()
+                    && db.fetch(&mut conn, &previous_id).await?.is_some()
+                {
+                    id = previous_id;
+                }
+            }
             let resolution = if completed {
                 let status = status.context("--completed needs --status")?;
                 if !(100..=599).contains(&status) {

@@ -2,15 +2,14 @@
 //!
 //! The `idemkey` binary's library: a reference payments API built on the idempotency layer
 //! the way a user's own service would be ([`app`]), the server around it ([`serve()`]), and
-//! the operator commands ([`keys`]).
+//! the operator commands ([`keys`]), and where the key secret comes from ([`secret`]).
 
 use std::time::Duration;
 
 use axum::Router;
 use axum::middleware::from_fn_with_state;
 use axum::routing::{get, post};
-use idemkey_core::KeyHasher;
-use idemkey_tower::{IdempotencyLayer, InFlightPolicy, Metrics, status_router};
+use idemkey_tower::{IdempotencyLayer, InFlightPolicy, Metrics};
 
 mod auth;
 pub mod bench;
@@ -21,11 +20,13 @@ pub mod gateway;
 pub mod keys;
 mod payments;
 mod problem;
+pub mod secret;
 mod serve;
 
 pub use self::auth::ApiKeys;
 pub use self::db::{AppDb, Payment};
-pub use self::serve::{Database, ServeOptions, connect, serve};
+pub use self::secret::KeySecrets;
+pub use self::serve::{Database, ServeOptions, connect, open_existing, serve};
 
 /// What the handlers share.
 #[derive(Debug, Clone)]
@@ -56,8 +57,15 @@ pub struct AppConfig {
 ///   `idemkey bench` compares against;
 /// - `GET /idempotency/v1/keys/{key}`: the status resource;
 /// - `GET /metrics` (Prometheus text) and `GET /healthz`, without authentication.
-pub fn app<S: AppDb>(db: S, hasher: KeyHasher, metrics: Metrics, config: &AppConfig) -> Router {
-    let idempotency = IdempotencyLayer::new(db.clone(), hasher.clone())
+///
+/// Keys are hashed with the current secret of `secrets`; during a rotation, records made
+/// under the previous one still answer (the layer and the status resource look there too).
+pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &AppConfig) -> Router {
+    let mut idempotency = IdempotencyLayer::new(db.clone(), secrets.hasher());
+    if let Some(previous) = secrets.previous_hasher() {
+        idempotency = idempotency.previous_key_hasher(previous);
+    }
+    let idempotency = idempotency
         .retention(config.retention)
         .in_flight(config.in_flight)
         .metrics(metrics.clone());
@@ -75,10 +83,10 @@ pub fn app<S: AppDb>(db: S, hasher: KeyHasher, metrics: Metrics, config: &AppCon
         .route("/v1/payments/{id}", get(payments::get_payment::<S>))
         .route(
             "/v1/baseline/payments",
-            post(payments::create_payment::<S>).layer(idempotency.off()),
+            post(payments::create_payment::<S>).layer(idempotency.clone().off()),
         )
         .with_state(state)
-        .merge(status_router(db, hasher))
+        .merge(idempotency.status_router())
         .layer(from_fn_with_state(
             config.api_keys.clone(),
             auth::authenticate,

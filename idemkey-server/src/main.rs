@@ -3,7 +3,8 @@
 use clap::Parser;
 use idemkey_server::cli::{Cli, Command, GatewayArgs, InFlight, KeysCommand};
 use idemkey_server::gateway::{GatewayOptions, RouteRule, Upstream};
-use idemkey_server::{ServeOptions, connect, keys, serve, with_store};
+use idemkey_server::secret::check_before_start;
+use idemkey_server::{ServeOptions, connect, keys, open_existing, serve, with_store};
 use idemkey_tower::{InFlightPolicy, KeyRequirement};
 use tracing_subscriber::EnvFilter;
 
@@ -33,11 +34,18 @@ async fn main() {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
+            check_before_start(
+                &args.db.database_url,
+                &args.secret,
+                args.key_secret_in_database,
+            )?;
             let api_keys = args.all_api_keys().map_err(anyhow::Error::msg)?;
             let options = ServeOptions {
                 listen: args.listen,
                 api_keys,
-                key_secret: args.key_secret.clone(),
+                database_url: args.db.database_url.clone(),
+                secret: args.secret.clone(),
+                key_secret_in_database: args.key_secret_in_database,
                 simulate_latency: std::time::Duration::from_millis(args.simulate_latency),
                 retention: args.retention,
                 in_flight: match args.in_flight {
@@ -56,6 +64,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             with_store!(db, store => serve(store, options).await)
         }
         Command::Gateway(args) => {
+            check_before_start(
+                &args.database_url,
+                &args.secret,
+                args.key_secret_in_database,
+            )?;
             let options = gateway_options(&args)?;
             let db = connect(
                 &args.database_url,
@@ -131,9 +144,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 | KeysCommand::Resolve { db, .. }
                 | KeysCommand::Purge { db, .. } => db.clone(),
             };
-            let db = connect(&db_args.database_url, db_args.max_connections, DEFAULT_WAIT).await?;
+            // Operator commands create nothing: no file, no tables, no secret.
+            let url = db_args.database_url;
+            let db = open_existing(&url, db_args.max_connections, DEFAULT_WAIT).await?;
             let mut out = std::io::stdout().lock();
-            with_store!(db, store => keys::run(store, command, &mut out).await)
+            with_store!(db, store => keys::run(store, &url, command, &mut out).await)
         }
     }
 }
@@ -182,7 +197,9 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
         max_stored_response: args.max_stored_response,
         retention: args.retention,
         api_keys: args.all_api_keys().map_err(anyhow::Error::msg)?,
-        key_secret: args.key_secret.clone(),
+        database_url: args.database_url.clone(),
+        secret: args.secret.clone(),
+        key_secret_in_database: args.key_secret_in_database,
         reconcile_url: args.reconcile_url.clone(),
         reconcile_interval: args.reconcile_interval,
         simulate_delay_before_forward: std::time::Duration::from_millis(

@@ -2,16 +2,21 @@
 //! shutdown.
 
 use std::net::SocketAddr;
+use std::path::Path;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use idemkey_core::{KeyHasher, SystemClock};
+use idemkey_core::SystemClock;
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{InFlightPolicy, Metrics, PurgeTask};
 use rand::RngCore;
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteSynchronous};
 
+use crate::cli::KeySecretArgs;
+use crate::secret::{SecretUse, key_secrets, redacted};
 use crate::{ApiKeys, AppConfig, AppDb, app};
 
 /// A connected database of either kind.
@@ -23,7 +28,9 @@ pub enum Database {
     Postgres(PgStore),
 }
 
-/// Connects to `url`: `sqlite:path` (created if missing) or `postgres://…`.
+/// Connects to `url`: `sqlite:path` (created if missing) or `postgres://…`. For `serve`,
+/// `gateway` and `migrate`, which create what is missing; the other commands use
+/// [`open_existing`].
 ///
 /// `lock_wait` bounds how long a SQLite claim waits for the database's single write lock
 /// (its busy time-out); PostgreSQL claims are bounded per route by the layer.
@@ -40,11 +47,56 @@ pub async fn connect(
     } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         let store = PgStore::connect(url, max_connections)
             .await
-            .context("cannot connect to PostgreSQL")?;
+            .with_context(|| format!("cannot connect to PostgreSQL at `{}`", redacted(url)))?;
         Ok(Database::Postgres(store))
     } else {
         anyhow::bail!("unsupported database URL {url:?}: expected sqlite:<path> or postgres://…")
     }
+}
+
+/// Opens the database `url` for an operator command: it must exist and carry idemkey's
+/// tables (`idemkey serve`, `gateway` or `migrate` made them). Creates nothing: a missing
+/// SQLite file or missing tables is an error naming the URL and how to fix it.
+pub async fn open_existing(
+    url: &str,
+    max_connections: u32,
+    lock_wait: Duration,
+) -> anyhow::Result<Database> {
+    let fix =
+        "pass --database-url (or IDEMKEY_DATABASE_URL) naming the database `idemkey serve` uses";
+    let shown = redacted(url);
+    let db = if url.starts_with("sqlite:") {
+        let options = SqliteConnectOptions::from_str(url)
+            .with_context(|| format!("invalid SQLite URL `{url}`"))?;
+        let file = options.get_filename();
+        if file != Path::new(":memory:") && !file.exists() {
+            anyhow::bail!("`{url}` does not exist; {fix}");
+        }
+        // The journal mode is left as the file says (WAL once `serve` made it): setting it
+        // would write to a file that may not be ours.
+        let options = options
+            .create_if_missing(false)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(lock_wait);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_with(options)
+            .await
+            .with_context(|| format!("cannot open the SQLite database `{url}`"))?;
+        Database::Sqlite(SqliteStore::new(pool))
+    } else {
+        connect(url, max_connections, lock_wait).await?
+    };
+    let missing = crate::with_store!(&db, store => store.missing_tables().await)
+        .with_context(|| format!("cannot read the tables of `{shown}`"))?;
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "`{shown}` has no idemkey tables ({} missing): it is not a database `idemkey serve` \
+             ran on; {fix}, or run `idemkey migrate --database-url …` first",
+            missing.join(", ")
+        );
+    }
+    Ok(db)
 }
 
 /// Runs `$body` with `$store` bound to the concrete store of a [`Database`].
@@ -65,8 +117,12 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     /// Token → tenant; when empty, two demo tenants are made up and printed.
     pub api_keys: ApiKeys,
-    /// The key-hashing secret; when `None`, one is generated once and kept in the database.
-    pub key_secret: Option<String>,
+    /// The database URL, as messages name it.
+    pub database_url: String,
+    /// The key secret (and the previous one); without one, see `key_secret_in_database`.
+    pub secret: KeySecretArgs,
+    /// Keep a secret in the database when none is given (SQLite does so by default).
+    pub key_secret_in_database: bool,
     /// Wait inside the payment transaction.
     pub simulate_latency: Duration,
     /// How long outcomes are kept.
@@ -75,31 +131,6 @@ pub struct ServeOptions {
     pub in_flight: InFlightPolicy,
     /// How often expired records are purged.
     pub purge_interval: Duration,
-}
-
-/// The key-hashing secret: the configured one, or the one kept in the database (made on
-/// first use, the same for every instance sharing the database).
-pub(crate) async fn key_hasher<S: AppDb>(
-    db: &S,
-    configured: Option<&str>,
-) -> anyhow::Result<KeyHasher> {
-    Ok(KeyHasher::new(&key_secret(db, configured).await?))
-}
-
-/// The raw key secret behind [`key_hasher`]: the configured one, or the one kept in the
-/// database.
-pub(crate) async fn key_secret<S: AppDb>(
-    db: &S,
-    configured: Option<&str>,
-) -> anyhow::Result<Vec<u8>> {
-    if let Some(secret) = configured {
-        return Ok(secret.as_bytes().to_vec());
-    }
-    let mut fresh = [0u8; 32];
-    rand::thread_rng().fill_bytes(&mut fresh);
-    db.setting_or_init("key_hash_secret", &fresh)
-        .await
-        .context("cannot read the key-hashing secret")
 }
 
 fn demo_keys() -> ApiKeys {
@@ -123,7 +154,15 @@ fn demo_keys() -> ApiKeys {
 /// finish (or roll back) before it returns.
 pub async fn serve<S: AppDb>(db: S, options: ServeOptions) -> anyhow::Result<()> {
     db.migrate_all().await.context("migrations failed")?;
-    let hasher = key_hasher(&db, options.key_secret.as_deref()).await?;
+    let secrets = key_secrets(
+        &db,
+        &options.database_url,
+        &options.secret,
+        SecretUse::Start {
+            in_database: options.key_secret_in_database,
+        },
+    )
+    .await?;
     let api_keys = if options.api_keys.is_empty() {
         demo_keys()
     } else {
@@ -136,7 +175,7 @@ pub async fn serve<S: AppDb>(db: S, options: ServeOptions) -> anyhow::Result<()>
         retention: options.retention,
         in_flight: options.in_flight,
     };
-    let router = app(db.clone(), hasher, metrics.clone(), &config);
+    let router = app(db.clone(), &secrets, metrics.clone(), &config);
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await
         .with_context(|| format!("cannot listen on {}", options.listen))?;

@@ -338,6 +338,7 @@ impl Db {
                 .args(&all)
                 .env_remove("IDEMKEY_API_KEYS")
                 .env_remove("IDEMKEY_KEY_SECRET")
+                .envs(postgres_secret(all.iter().map(String::as_str)))
                 .env_remove("IDEMKEY_DATABASE_URL")
                 .env("USER", "alice")
                 .stdin(Stdio::null())
@@ -351,6 +352,21 @@ impl Db {
         })
         .await
         .expect("keys task")
+    }
+}
+
+/// The key secret the tests give `serve`, `gateway` and `keys` on PostgreSQL, where one is
+/// required (SQLite tests use the database-kept default): as `IDEMKEY_KEY_SECRET`.
+fn postgres_secret<'a>(
+    args: impl IntoIterator<Item = &'a str>,
+) -> Vec<(&'static str, &'static str)> {
+    if args.into_iter().any(|a| a.starts_with("postgres")) {
+        vec![(
+            "IDEMKEY_KEY_SECRET",
+            "a test secret, apart from the database",
+        )]
+    } else {
+        Vec::new()
     }
 }
 
@@ -373,6 +389,7 @@ impl Gateway {
             .args(&args)
             .env_remove("IDEMKEY_API_KEYS")
             .env_remove("IDEMKEY_KEY_SECRET")
+            .envs(postgres_secret(args.iter().map(String::as_str)))
             .env_remove("IDEMKEY_DATABASE_URL")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())

@@ -15,6 +15,8 @@ pub const STATUS_PATH: &str = "/idempotency/v1/keys";
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
     pub(crate) hasher: KeyHasher,
+    /// Key-secret rotation: the previous secret's hasher, still accepted for look-ups.
+    pub(crate) previous_hasher: Option<KeyHasher>,
     pub(crate) requirement: KeyRequirement,
     pub(crate) in_flight: InFlightPolicy,
     pub(crate) retention: Duration,
@@ -90,6 +92,7 @@ impl<S> IdempotencyLayer<S> {
             store,
             config: Arc::new(Config {
                 hasher,
+                previous_hasher: None,
                 requirement: KeyRequirement::Required,
                 in_flight: InFlightPolicy::default(),
                 retention: Duration::from_secs(24 * 3600),
@@ -217,6 +220,29 @@ impl<S> IdempotencyLayer<S> {
         seal: impl Fn(&str, &RecordId) -> Vec<u8> + Send + Sync + 'static,
     ) -> Self {
         self.with(|c| c.seal = Some(KeySeal(Arc::new(seal))))
+    }
+
+    /// Key-secret rotation: records made under the previous secret (hashed by `hasher`) are
+    /// still found until they expire. Before a claim under the current secret, the layer
+    /// looks up the key's record under the previous one; a live record there answers the
+    /// request as a claim that lost to it would be answered (a replay, 422, 409), and new
+    /// records are made under the current secret only. Costs one read per keyed request
+    /// while set: drop it once the retention has passed since the rotation.
+    pub fn previous_key_hasher(self, hasher: KeyHasher) -> Self {
+        self.with(|c| c.previous_hasher = Some(hasher))
+    }
+
+    /// The status resource ([`status_router`](crate::status_router)) for this layer's store
+    /// and secrets, the previous one included.
+    pub fn status_router(&self) -> axum::Router
+    where
+        S: idemkey_core::Store,
+    {
+        crate::status::router(
+            self.store.clone(),
+            self.config.hasher.clone(),
+            self.config.previous_hasher.clone(),
+        )
     }
 
     /// Reads the time from `clock` (claims, expiry, leases) instead of the system clock.

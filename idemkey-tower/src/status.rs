@@ -16,6 +16,7 @@ use crate::{IdempotencyRejection, Tenant};
 struct StatusState<S> {
     store: S,
     hasher: KeyHasher,
+    previous_hasher: Option<KeyHasher>,
 }
 
 /// One record, as the status resource shows it.
@@ -58,10 +59,26 @@ impl From<&Record> for RecordView {
 /// It answers only the caller's own records: the tenant comes from the [`Tenant`] request
 /// extension, so put it behind the same authentication as the keyed routes. Expired
 /// records are not shown (they no longer protect anything).
+///
+/// After a key-secret rotation, use
+/// [`IdempotencyLayer::status_router`](crate::IdempotencyLayer::status_router), which also
+/// finds records made under the previous secret.
 pub fn status_router<S: Store>(store: S, hasher: KeyHasher) -> axum::Router {
+    router(store, hasher, None)
+}
+
+pub(crate) fn router<S: Store>(
+    store: S,
+    hasher: KeyHasher,
+    previous_hasher: Option<KeyHasher>,
+) -> axum::Router {
     axum::Router::new()
         .route(&format!("{STATUS_PATH}/{{key}}"), get(key_status::<S>))
-        .with_state(StatusState { store, hasher })
+        .with_state(StatusState {
+            store,
+            hasher,
+            previous_hasher,
+        })
 }
 
 async fn key_status<S: Store>(
@@ -75,9 +92,29 @@ async fn key_status<S: Store>(
         Err(e) => return IdempotencyRejection::KeyInvalid(e).into_response(),
     };
     let key_hash = state.hasher.key_hash(&tenant, &key);
+    let previous_hash = state
+        .previous_hasher
+        .as_ref()
+        .map(|h| h.key_hash(&tenant, &key));
     let records = async {
         let mut conn = state.store.acquire().await?;
-        state.store.find_by_key(&mut conn, &tenant, &key_hash).await
+        let mut records = state
+            .store
+            .find_by_key(&mut conn, &tenant, &key_hash)
+            .await?;
+        if let Some(previous_hash) = &previous_hash {
+            // Routes not claimed again under the current secret since the rotation.
+            let previous = state
+                .store
+                .find_by_key(&mut conn, &tenant, previous_hash)
+                .await?;
+            let previous: Vec<Record> = previous
+                .into_iter()
+                .filter(|p| !records.iter().any(|r| r.id.route == p.id.route))
+                .collect();
+            records.extend(previous);
+        }
+        Ok::<_, idemkey_core::StoreError>(records)
     }
     .await;
     let records = match records {

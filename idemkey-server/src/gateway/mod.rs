@@ -21,13 +21,13 @@ use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::{Method, header};
-use idemkey_core::{AnswerRule, KeyHasher, SystemClock};
-use idemkey_tower::{
-    IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant, status_router,
-};
+use idemkey_core::{AnswerRule, SystemClock};
+use idemkey_tower::{IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
 
+use crate::cli::KeySecretArgs;
 use crate::problem::ApiError;
-use crate::serve::{key_secret, shutdown_signal};
+use crate::secret::{SecretUse, key_secrets};
+use crate::serve::shutdown_signal;
 use crate::{ApiKeys, AppDb};
 
 mod proxy;
@@ -171,8 +171,12 @@ pub struct GatewayOptions {
     pub retention: Duration,
     /// Bearer token → tenant; when empty, the tenant is a keyed hash of `Authorization`.
     pub api_keys: ApiKeys,
-    /// The key secret; when `None`, the one kept in the database.
-    pub key_secret: Option<String>,
+    /// The database URL, as messages name it.
+    pub database_url: String,
+    /// The key secret (and the previous one); without one, see `key_secret_in_database`.
+    pub secret: KeySecretArgs,
+    /// Keep a secret in the database when none is given (SQLite does so by default).
+    pub key_secret_in_database: bool,
     /// The reconciler's URL template (`{key}` is replaced by the percent-encoded key).
     pub reconcile_url: Option<String>,
     /// How often the reconciler runs.
@@ -187,8 +191,11 @@ pub struct GatewayOptions {
 #[derive(Debug)]
 struct Inner<S> {
     store: S,
-    hasher: KeyHasher,
     sealer: KeySealer,
+    /// Rotation: the previous secret's sealer, which unseals keys sealed before it.
+    previous_sealer: Option<KeySealer>,
+    /// The status resource, under both secrets during a rotation.
+    status: Router,
     metrics: Metrics,
     options: Arc<GatewayOptions>,
     /// Per route rule (same order as `options.routes`): the layer's external mode around
@@ -244,7 +251,9 @@ fn router<S: AppDb>(gw: Gateway<S>) -> Router {
     let proxied = Router::new()
         .fallback(proxy::handle::<S>)
         .with_state(gw.clone());
-    let api = status_router(gw.store.clone(), gw.hasher.clone())
+    let api = gw
+        .status
+        .clone()
         .merge(proxied)
         .layer(from_fn_with_state(gw, authenticate::<S>));
     Router::new()
@@ -268,17 +277,30 @@ fn router<S: AppDb>(gw: Gateway<S>) -> Router {
 /// reconciler running beside it.
 pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result<()> {
     db.migrate_all().await.context("migrations failed")?;
-    let secret = key_secret(&db, options.key_secret.as_deref()).await?;
+    let secrets = key_secrets(
+        &db,
+        &options.database_url,
+        &options.secret,
+        SecretUse::Start {
+            in_database: options.key_secret_in_database,
+        },
+    )
+    .await?;
     let metrics = Metrics::new();
-    let hasher = KeyHasher::new(&secret);
-    let sealer = KeySealer::new(&secret);
+    let sealer = KeySealer::new(secrets.current());
+    let previous_sealer = secrets.previous().map(KeySealer::new);
+    let mut base = IdempotencyLayer::new(db.clone(), secrets.hasher());
+    if let Some(previous) = secrets.previous_hasher() {
+        base = base.previous_key_hasher(previous);
+    }
     let shared = Arc::new(options.clone());
     let keyed = options
         .routes
         .iter()
         .map(|rule| {
             let sealer = sealer.clone();
-            let layer = IdempotencyLayer::new(db.clone(), hasher.clone())
+            let layer = base
+                .clone()
                 .external(options.lease)
                 .requirement(rule.requirement)
                 .route(rule.pattern())
@@ -294,8 +316,9 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
         .collect();
     let gw = Gateway(Arc::new(Inner {
         store: db.clone(),
-        hasher,
         sealer,
+        previous_sealer,
+        status: base.status_router(),
         metrics: metrics.clone(),
         options: shared,
         keyed,

@@ -84,11 +84,12 @@ async fn reconcile_once<S: AppDb>(
 ) -> anyhow::Result<()> {
     for record in unknown_records(gw).await? {
         let key_id = record.id.key_id();
-        let Some(key) = record
-            .sealed_key
-            .as_deref()
-            .and_then(|sealed| gw.sealer.unseal(sealed, &record.id.key_hash))
-        else {
+        // Sealed under the current secret, or (during a rotation) under the previous one.
+        let Some(key) = record.sealed_key.as_deref().and_then(|sealed| {
+            std::iter::once(&gw.sealer)
+                .chain(&gw.previous_sealer)
+                .find_map(|sealer| sealer.unseal(sealed, &record.id.key_hash))
+        }) else {
             tracing::warn!(%key_id, "no sealed key (or sealed under another secret): only an operator can resolve it");
             gw.metrics.reconciled(Reconciled::StillUnknown);
             continue;

@@ -250,6 +250,7 @@ impl Server {
             .args(extra)
             .env_remove("IDEMKEY_API_KEYS")
             .env_remove("IDEMKEY_KEY_SECRET")
+            .envs(postgres_secret([url]))
             .env_remove("IDEMKEY_DATABASE_URL")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -666,6 +667,21 @@ pub(crate) fn assert_expiry(
     );
 }
 
+/// The key secret the tests give `serve`, `gateway` and `keys` on PostgreSQL, where one is
+/// required (SQLite tests use the database-kept default): as `IDEMKEY_KEY_SECRET`.
+pub(crate) fn postgres_secret<'a>(
+    args: impl IntoIterator<Item = &'a str>,
+) -> Vec<(&'static str, &'static str)> {
+    if args.into_iter().any(|a| a.starts_with("postgres")) {
+        vec![(
+            "IDEMKEY_KEY_SECRET",
+            "a test secret, apart from the database",
+        )]
+    } else {
+        Vec::new()
+    }
+}
+
 /// Runs the `idemkey` binary with `args` to completion; returns its stdout (panics on
 /// failure).
 pub(crate) async fn idemkey_cli(args: Vec<String>) -> String {
@@ -674,6 +690,7 @@ pub(crate) async fn idemkey_cli(args: Vec<String>) -> String {
             .args(&args)
             .env_remove("IDEMKEY_API_KEYS")
             .env_remove("IDEMKEY_KEY_SECRET")
+            .envs(postgres_secret(args.iter().map(String::as_str)))
             .env_remove("IDEMKEY_DATABASE_URL")
             .stdin(Stdio::null())
             .output()

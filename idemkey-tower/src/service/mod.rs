@@ -18,7 +18,7 @@ use axum::extract::MatchedPath;
 use axum::response::{IntoResponse, Response};
 use futures::future::BoxFuture;
 use http::{HeaderValue, Method, Request, header};
-use idemkey_core::protocol::{Claim, ClaimOutcome};
+use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{
     HEADER_NAME, IdempotencyKey, RequestParts, Scope, Store, StoreError, fingerprint,
 };
@@ -190,6 +190,8 @@ impl<S: Store> Keyed<S> {
             .map_or_else(|| Tenant::DEFAULT.to_owned(), |t| t.0.clone());
         let scope = Scope::new(tenant, req.method().as_str(), &route);
         let id = self.config.hasher.record_id(&scope, &self.key);
+        let previous_id = (self.config.previous_hasher.as_ref())
+            .map(|previous| previous.record_id(&scope, &self.key));
         let span = tracing::info_span!(
             "idempotency",
             key_id = %id.key_id(),
@@ -229,6 +231,23 @@ impl<S: Store> Keyed<S> {
                 retention: config.retention,
                 sealed_key,
             };
+            // Key-secret rotation: a live record under the previous secret answers first.
+            if let Some(previous_id) = &previous_id {
+                let store = &self.layer.store;
+                match protocol::lookup_previous(store, previous_id, &claim.fingerprint, claim.now)
+                    .await
+                {
+                    Ok(Some(outcome)) => return self.answer_existing(outcome),
+                    Ok(None) => {}
+                    Err(protocol::Error::Store(e)) => {
+                        return self.finish(Outcome::StoreError, store_unavailable(&e));
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "looking up the previous secret's record failed");
+                        return self.finish(Outcome::StoreError, IdempotencyRejection::Internal);
+                    }
+                }
+            }
             let req = Request::from_parts(parts, Body::from(bytes));
             match config.external {
                 Some(lease) => external::run(self, inner, req, claim, lease).await,

@@ -1,0 +1,237 @@
+//! Where the key secret comes from: a flag, the environment or a file, kept apart from the
+//! keyed hashes it protects; in the database only on SQLite's convenience default or when
+//! told with `--key-secret-in-database`. Operator commands never create one.
+
+use std::path::Path;
+
+use anyhow::Context;
+use idemkey_core::KeyHasher;
+use rand::RngCore;
+
+use crate::AppDb;
+use crate::cli::KeySecretArgs;
+
+/// The `server_settings` row a database-kept secret lives in.
+const SETTING: &str = "key_hash_secret";
+
+/// How the flags name the ways to give a secret, for error messages.
+const THE_FLAGS: &str = "--key-secret (or IDEMKEY_KEY_SECRET) or --key-secret-file PATH";
+
+/// The current key secret and, during a rotation, the previous one.
+#[derive(Clone)]
+pub struct KeySecrets {
+    current: Vec<u8>,
+    previous: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for KeySecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeySecrets(..)")
+    }
+}
+
+impl KeySecrets {
+    /// Secrets given directly (tests, the demo).
+    pub fn new(current: impl Into<Vec<u8>>, previous: Option<Vec<u8>>) -> Self {
+        Self {
+            current: current.into(),
+            previous,
+        }
+    }
+
+    /// The current secret: new records are hashed (and sealed) with it.
+    pub fn current(&self) -> &[u8] {
+        &self.current
+    }
+
+    /// The previous secret, accepted for look-ups.
+    pub fn previous(&self) -> Option<&[u8]> {
+        self.previous.as_deref()
+    }
+
+    /// The hasher of the current secret.
+    pub fn hasher(&self) -> KeyHasher {
+        KeyHasher::new(&self.current)
+    }
+
+    /// The hasher of the previous secret.
+    pub fn previous_hasher(&self) -> Option<KeyHasher> {
+        self.previous.as_deref().map(KeyHasher::new)
+    }
+}
+
+/// Who asks for the secret.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SecretUse {
+    /// `serve` or `gateway`: may keep a secret in the database, on SQLite by default (with a
+    /// warning), on PostgreSQL only with `--key-secret-in-database`.
+    Start {
+        /// `--key-secret-in-database`.
+        in_database: bool,
+    },
+    /// An operator command: reads a database-kept secret if there is one, never makes one.
+    Open,
+}
+
+/// `postgres://user:password@host/db` → `postgres://user:***@host/db`, for messages.
+pub(crate) fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => match rest[..at].split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+fn no_secret_to_start(url: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "no key secret: on PostgreSQL the secret must live apart from the keyed hashes in \
+         `{url}`; pass {THE_FLAGS}, or --key-secret-in-database to keep it in the database \
+         anyway"
+    )
+}
+
+/// `serve` and `gateway`, before they connect: on PostgreSQL, a secret must be given unless
+/// `--key-secret-in-database` says to keep it there. Fails fast, before any migration.
+pub fn check_before_start(
+    url: &str,
+    args: &KeySecretArgs,
+    in_database: bool,
+) -> anyhow::Result<()> {
+    let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    if postgres && args.key_secret.is_none() && args.key_secret_file.is_none() && !in_database {
+        return Err(no_secret_to_start(&redacted(url)));
+    }
+    Ok(())
+}
+
+/// A secret from its flag or its file; both at once is an error.
+fn given(value: Option<&str>, file: Option<&Path>, flag: &str) -> anyhow::Result<Option<Vec<u8>>> {
+    let secret = match (value, file) {
+        (Some(_), Some(_)) => {
+            anyhow::bail!("give either --{flag} (or its environment variable) or --{flag}-file")
+        }
+        (Some(value), None) => value.as_bytes().to_vec(),
+        (None, Some(path)) => {
+            let mut bytes = std::fs::read(path)
+                .with_context(|| format!("cannot read --{flag}-file {}", path.display()))?;
+            while bytes.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+                bytes.pop();
+            }
+            bytes
+        }
+        (None, None) => return Ok(None),
+    };
+    if secret.is_empty() {
+        anyhow::bail!("the --{flag} is empty");
+    }
+    Ok(Some(secret))
+}
+
+/// The key secrets for `db` (at `url`), as `args` and `usage` say.
+///
+/// A given secret wins. Without one, `serve`/`gateway` keep (or make) one in the database
+/// where allowed, and operator commands read the database-kept one or fail. The previous
+/// secret is the given one, or else, when a secret is given and the database keeps another
+/// (a secret being moved out of the database), the database-kept one.
+pub async fn key_secrets<S: AppDb>(
+    db: &S,
+    url: &str,
+    args: &KeySecretArgs,
+    usage: SecretUse,
+) -> anyhow::Result<KeySecrets> {
+    let url = redacted(url);
+    let given_current = given(
+        args.key_secret.as_deref(),
+        args.key_secret_file.as_deref(),
+        "key-secret",
+    )?;
+    let given_previous = given(
+        args.previous_key_secret.as_deref(),
+        args.previous_key_secret_file.as_deref(),
+        "previous-key-secret",
+    )?;
+    let stored = db
+        .setting(SETTING)
+        .await
+        .with_context(|| format!("cannot read the key secret kept in `{url}`"))?;
+    let current = match (given_current.clone(), usage) {
+        (Some(secret), _) => secret,
+        (None, SecretUse::Open) => stored.clone().with_context(|| {
+            format!(
+                "no key secret: none was given and `{url}` keeps none (a server started with \
+                 a given secret keeps none there); pass {THE_FLAGS} with the secret \
+                 `idemkey serve` uses"
+            )
+        })?,
+        (None, SecretUse::Start { in_database }) => {
+            if !S::EMBEDDED && !in_database {
+                return Err(no_secret_to_start(&url));
+            }
+            let secret = match stored.clone() {
+                Some(secret) => secret,
+                None => {
+                    let mut fresh = [0u8; 32];
+                    rand::thread_rng().fill_bytes(&mut fresh);
+                    db.setting_or_init(SETTING, &fresh)
+                        .await
+                        .context("cannot store the key secret")?
+                }
+            };
+            if !in_database {
+                eprintln!(
+                    "warning: the key secret is kept in `{url}`, beside the keyed hashes it \
+                     protects: a copy of the database holds both. To move it out, start with \
+                     {THE_FLAGS}; records made under the database-kept secret stay reachable \
+                     until they expire (docs/operations.md)."
+                );
+            }
+            secret
+        }
+    };
+    let previous = match given_previous {
+        Some(previous) => Some(previous),
+        // Moving a database-kept secret out: it is the previous one.
+        None if given_current.is_some() => stored.filter(|s| *s != current),
+        None => None,
+    };
+    if previous.as_ref() == Some(&current) {
+        anyhow::bail!("the previous key secret is the same as the current one");
+    }
+    Ok(KeySecrets { current, previous })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redacted("postgres://u:pw@h:5432/db"),
+            "postgres://u:***@h:5432/db"
+        );
+        assert_eq!(redacted("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redacted("sqlite:none.db"), "sqlite:none.db");
+    }
+
+    #[test]
+    fn reads_secret_files_without_their_newline() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        std::fs::write(&path, "s3cret\n").unwrap();
+        assert_eq!(
+            given(None, Some(&path), "key-secret").unwrap().as_deref(),
+            Some(&b"s3cret"[..])
+        );
+        assert!(given(Some("a"), Some(&path), "key-secret").is_err());
+        std::fs::write(&path, "\n").unwrap();
+        assert!(given(None, Some(&path), "key-secret").is_err());
+        assert_eq!(given(None, None, "key-secret").unwrap(), None);
+    }
+}
