@@ -77,14 +77,25 @@ pub enum ClaimOutcome {
         expires_at: Timestamp,
     },
     /// The key was used with a different request.
-    Mismatch(Mismatch),
+    Mismatch {
+        /// What differs.
+        mismatch: Mismatch,
+        /// When the record that holds the key expires.
+        expires_at: Timestamp,
+    },
     /// Another attempt is running.
     InFlight {
         /// The owner's lease, when there is one.
         lease_expires_at: Option<Timestamp>,
+        /// When the owner's record expires: `None` when no record was read (the store's
+        /// lock was not granted in time, or the claim gave up after racing takers).
+        expires_at: Option<Timestamp>,
     },
     /// The outcome of the first attempt is unknown; it is not re-executed.
-    OutcomeUnknown,
+    OutcomeUnknown {
+        /// When the record expires.
+        expires_at: Timestamp,
+    },
 }
 
 /// Local mode: claims the key on `conn`, a transaction the caller owns.
@@ -159,33 +170,44 @@ async fn claim_on<S: Store>(
         match store.insert(conn, record).await {
             Ok(true) => return Ok(owned(1)),
             Ok(false) => {}
-            Err(StoreError::Busy(_)) => return Ok(in_flight(None)),
+            Err(StoreError::Busy(_)) => return Ok(in_flight()),
             Err(e) => return Err(e.into()),
         }
         // Lost: somebody holds (or held) the key. Read what they left.
         let existing = match store.fetch(conn, &record.id).await {
             Ok(existing) => existing,
-            Err(StoreError::Busy(_)) => return Ok(in_flight(None)),
+            Err(StoreError::Busy(_)) => return Ok(in_flight()),
             Err(e) => return Err(e.into()),
         };
+        // Every answer below is given because this record exists: it carries its expiry.
+        let expires_at = existing.as_ref().map_or(claim.now, |r| r.expires_at);
         match decide(existing.as_ref(), &claim.fingerprint, claim.now) {
             // Deleted between our insert and our read (released, evicted, purged): again.
             Decision::Execute => continue,
             Decision::TakeOver { token } => match store.replace(conn, record, token).await {
                 Ok(Some(token)) => return Ok(owned(token)),
                 Ok(None) => continue,
-                Err(StoreError::Busy(_)) => return Ok(in_flight(None)),
+                Err(StoreError::Busy(_)) => return Ok(in_flight()),
                 Err(e) => return Err(e.into()),
             },
             Decision::Replay(response) => {
-                let expires_at = existing.as_ref().map(|r| r.expires_at);
                 return Ok(ClaimOutcome::Replay {
                     response: response.clone(),
-                    expires_at: expires_at.unwrap_or(claim.now),
+                    expires_at,
                 });
             }
-            Decision::Mismatch(m) => return Ok(ClaimOutcome::Mismatch(m)),
-            Decision::InFlight { lease_expires_at } => return Ok(in_flight(lease_expires_at)),
+            Decision::Mismatch(mismatch) => {
+                return Ok(ClaimOutcome::Mismatch {
+                    mismatch,
+                    expires_at,
+                });
+            }
+            Decision::InFlight { lease_expires_at } => {
+                return Ok(ClaimOutcome::InFlight {
+                    lease_expires_at,
+                    expires_at: Some(expires_at),
+                });
+            }
             Decision::OutcomeUnknown { mark_indeterminate } => {
                 if let Some(token) = mark_indeterminate {
                     // Persist what the decision found, so operators and metrics see it. If
@@ -194,15 +216,19 @@ async fn claim_on<S: Store>(
                         .mark_indeterminate(conn, &record.id, token, claim.now)
                         .await?;
                 }
-                return Ok(ClaimOutcome::OutcomeUnknown);
+                return Ok(ClaimOutcome::OutcomeUnknown { expires_at });
             }
         }
     }
-    Ok(in_flight(None))
+    Ok(in_flight())
 }
 
-fn in_flight(lease_expires_at: Option<Timestamp>) -> ClaimOutcome {
-    ClaimOutcome::InFlight { lease_expires_at }
+/// "In flight" without a record in hand: no lease and no expiry to tell.
+fn in_flight() -> ClaimOutcome {
+    ClaimOutcome::InFlight {
+        lease_expires_at: None,
+        expires_at: None,
+    }
 }
 
 /// External mode: the owner's handle on a reserved record. Every write carries the fencing

@@ -134,7 +134,13 @@ pub async fn rejects_mismatched_fingerprint<H: Harness>(h: H) {
     run_once(&h, &claim_at(&id, 1, now), "k-1", "{}").await;
     let other = run_once(&h, &claim_at(&id, 2, now), "k-1", "{}").await;
     match other {
-        ClaimOutcome::Mismatch(m) => assert!(m.body && !m.params && !m.query),
+        ClaimOutcome::Mismatch {
+            mismatch: m,
+            expires_at,
+        } => {
+            assert!(m.body && !m.params && !m.query);
+            assert_eq!(expires_at, now.plus(RETENTION), "the stored record's expiry");
+        }
         other => panic!("expected a mismatch, got {other:?}"),
     }
     assert_eq!(h.count_effects().await, 1);
@@ -416,7 +422,8 @@ pub async fn reservation_holds_the_key_while_leased<H: Harness>(h: H) {
     assert_eq!(
         second,
         ClaimOutcome::InFlight {
-            lease_expires_at: Some(now.plus(lease))
+            lease_expires_at: Some(now.plus(lease)),
+            expires_at: Some(now.plus(RETENTION)),
         }
     );
     let owner = Lease::new(store.clone(), id.clone(), token, lease);
@@ -508,7 +515,10 @@ pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harnes
         let outcome = protocol::reserve(&store, &claim_at(&id, 1, later), lease)
             .await
             .expect("reserve");
-        assert_eq!(outcome, ClaimOutcome::OutcomeUnknown);
+        assert!(
+            matches!(outcome, ClaimOutcome::OutcomeUnknown { .. }),
+            "{outcome:?}"
+        );
     }
     let record = fetch(&h, &id).await.expect("record");
     assert_eq!(record.state, RecordState::Indeterminate);
@@ -576,7 +586,10 @@ pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
     let outcome = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
         .await
         .expect("reserve");
-    assert_eq!(outcome, ClaimOutcome::OutcomeUnknown);
+    assert!(
+        matches!(outcome, ClaimOutcome::OutcomeUnknown { .. }),
+        "{outcome:?}"
+    );
     protocol::resolve(&store, &id, &Resolution::Released, "operator:test", None)
         .await
         .expect("resolve");

@@ -279,6 +279,12 @@ async fn rejects_mismatched_body_with_422_naming_the_part() {
     assert!(differs.contains(&"body"), "{problem}");
     assert!(!differs.contains(&"query"), "{problem}");
     assert!(!other.replayed());
+    assert_eq!(
+        other.header(EXPIRES_HEADER),
+        first.header(EXPIRES_HEADER),
+        "the 422 tells the stored record's expiry"
+    );
+    assert!(other.header(EXPIRES_HEADER).is_some());
     assert_eq!(effects(&store).await, 1);
 }
 
