@@ -60,6 +60,7 @@ fn fp(body: u8) -> Fingerprint {
             query: [0; 8],
             body: [body; 8],
         },
+        members: None,
     }
 }
 
