@@ -527,7 +527,14 @@ mod tests {
         // Nested, in arrays; elements by index (10 after 2).
         let items = |q: u8| format!(r#"{{"items":[{{"qty":1}},{{"qty":1}},{{"qty":{q}}}]}}"#);
         assert_pointer(&items(1), &items(2), "/items/2/qty");
-        let long = |x: u8| format!("[{}]", [1, 1, x, 1, 1, 1, 1, 1, 1, 1, x].map(|n| n.to_string()).join(","));
+        let long = |x: u8| {
+            format!(
+                "[{}]",
+                [1, 1, x, 1, 1, 1, 1, 1, 1, 1, x]
+                    .map(|n| n.to_string())
+                    .join(",")
+            )
+        };
         assert_pointer(&long(1), &long(2), "/2");
         // Names are escaped.
         assert_pointer(r#"{"a/b":{"m~n":1}}"#, r#"{"a/b":{"m~n":2}}"#, "/a~1b/m~0n");
@@ -542,11 +549,19 @@ mod tests {
         assert_pointer(r#"{"a":1}"#, r#"{"a":1,"note":"x"}"#, "/note");
         assert_pointer(r#"{"items":[1,2]}"#, r#"{"items":[1,2,3]}"#, "/items/2");
         // Removed: the new request does not have it, so its parent is named.
-        assert_pointer(r#"{"a":1,"b":{"c":1,"d":2}}"#, r#"{"a":1,"b":{"c":1}}"#, "/b");
+        assert_pointer(
+            r#"{"a":1,"b":{"c":1,"d":2}}"#,
+            r#"{"a":1,"b":{"c":1}}"#,
+            "/b",
+        );
         assert_pointer(r#"{"items":[1,2,3]}"#, r#"{"items":[1,2]}"#, "/items");
         assert_pointer(r#"{"a":1,"z":1}"#, r#"{"a":1}"#, "");
         // A removal is reported where its parent's members end: before a later change.
-        assert_pointer(r#"{"x":{"p":1,"q":1},"y":1}"#, r#"{"x":{"p":1},"y":2}"#, "/x");
+        assert_pointer(
+            r#"{"x":{"p":1,"q":1},"y":1}"#,
+            r#"{"x":{"p":1},"y":2}"#,
+            "/x",
+        );
         // ... and after an earlier one inside the same parent.
         assert_pointer(r#"{"x":{"p":1,"q":1}}"#, r#"{"x":{"p":2}}"#, "/x/p");
         // A renamed member is an added one.
@@ -562,27 +577,40 @@ mod tests {
             Some("/amount")
         );
         assert_eq!(
-            pointer(r#"{"items":[{"qty":1}],"ts":1}"#, r#"{"items":[{"qty":2}],"ts":2}"#)
-                .as_deref(),
+            pointer(
+                r#"{"items":[{"qty":1}],"ts":1}"#,
+                r#"{"items":[{"qty":2}],"ts":2}"#
+            )
+            .as_deref(),
             Some("/items/0/qty")
         );
         // A selected field the new request lacks is named by the route's own pointer.
-        assert_eq!(pointer(r#"{"amount":1}"#, r#"{}"#).as_deref(), Some("/amount"));
+        assert_eq!(
+            pointer(r#"{"amount":1}"#, r#"{}"#).as_deref(),
+            Some("/amount")
+        );
     }
 
     #[test]
     fn names_no_member_past_the_bound_or_without_digests() {
         let big = |x: u32| {
-            let items: Vec<String> = (0..MAX_MEMBERS as u32).map(|i| (i + x).to_string()).collect();
+            let items: Vec<String> = (0..MAX_MEMBERS as u32)
+                .map(|i| (i + x).to_string())
+                .collect();
             format!("[{}]", items.join(","))
         };
         assert_eq!(pointer_between(None, &big(0), &big(1)), None);
         // Just under the bound (the array itself counts as one value) it is named.
         let under = |x: u32| {
-            let items: Vec<String> = (0..MAX_MEMBERS as u32 - 1).map(|i| (i + x).to_string()).collect();
+            let items: Vec<String> = (0..MAX_MEMBERS as u32 - 1)
+                .map(|i| (i + x).to_string())
+                .collect();
             format!("[{}]", items.join(","))
         };
-        assert_eq!(pointer_between(None, &under(0), &under(1)).as_deref(), Some("/0"));
+        assert_eq!(
+            pointer_between(None, &under(0), &under(1)).as_deref(),
+            Some("/0")
+        );
         // Not JSON.
         let r = record(RecordState::Completed, None);
         let Decision::Mismatch(m) = decide(Some(&r), &fp(2), NOW) else {

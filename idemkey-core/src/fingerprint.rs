@@ -795,8 +795,16 @@ mod tests {
         let b = fp_json(r#"{ "amount": 1, "customer_name": "Alice Liddell" }"#);
         let members = a.members.as_ref().expect("a JSON body has members");
         assert_eq!(a.members, b.members);
-        let pointers: Vec<&str> = members.pointers().iter().map(|p| p.pointer.as_str()).collect();
-        assert_eq!(pointers, ["", "/amount", "/customer_name"], "canonical order");
+        let pointers: Vec<&str> = members
+            .pointers()
+            .iter()
+            .map(|p| p.pointer.as_str())
+            .collect();
+        assert_eq!(
+            pointers,
+            ["", "/amount", "/customer_name"],
+            "canonical order"
+        );
         let stored = members.to_bytes();
         assert_eq!(stored.len(), 1 + 16 * 3);
         assert_eq!(stored[0], MEMBERS_VERSION);
@@ -810,7 +818,11 @@ mod tests {
         assert_eq!(&back, members);
         assert!(back.pointers().is_empty(), "pointers are never stored");
         assert_eq!(Members::from_bytes(&[2]), None, "another version");
-        assert_eq!(Members::from_bytes(&stored[..20]), None, "a malformed length");
+        assert_eq!(
+            Members::from_bytes(&stored[..20]),
+            None,
+            "a malformed length"
+        );
         // Bodies that are not JSON have none.
         assert_eq!(fp_body(Some("text/plain"), "{}").members, None);
         assert_eq!(fp_json("{").members, None);

@@ -4,8 +4,8 @@
 //! 64-bit integers), so one `FromRow` type reads a record from either.
 
 use crate::{
-    AuditEntry, BoxError, Fingerprint, FingerprintParts, Members, Record, RecordId, RecordState, StoreError,
-    StoredResponse, Timestamp,
+    AuditEntry, BoxError, Fingerprint, FingerprintParts, Members, Record, RecordId, RecordState,
+    StoreError, StoredResponse, Timestamp,
 };
 
 /// One row of `idemkey_records`, as both stores select it.

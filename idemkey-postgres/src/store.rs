@@ -2,8 +2,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store, StoreError,
-    StoredResponse, Timestamp, classify_error,
+    AuditEntry, AuditRow, ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store,
+    StoreError, StoredResponse, Timestamp, classify_error,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;

@@ -203,7 +203,11 @@ pub async fn rejects_mismatched_fingerprint<H: Harness>(h: H) {
             expires_at,
         } => {
             assert!(m.body && !m.params && !m.query);
-            assert_eq!(expires_at, now.plus(RETENTION), "the stored record's expiry");
+            assert_eq!(
+                expires_at,
+                now.plus(RETENTION),
+                "the stored record's expiry"
+            );
         }
         other => panic!("expected a mismatch, got {other:?}"),
     }

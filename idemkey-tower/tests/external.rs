@@ -167,7 +167,10 @@ async fn unknown_outcome_is_never_re_executed() {
     let body = r#"{"after":"unknown"}"#;
     let (status, first_expires) = send_expiry(&app, "t-2", body).await;
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
-    assert!(first_expires.is_some(), "the owner tells the kept record's expiry");
+    assert!(
+        first_expires.is_some(),
+        "the owner tells the kept record's expiry"
+    );
     assert_eq!(states(&store).await, [RecordState::Indeterminate]);
     for _ in 0..3 {
         let (status, _, text) = send(&app, "t-2", body).await;
@@ -275,7 +278,10 @@ async fn reject_policy_answers_409_while_the_first_attempt_runs() {
     assert!(text.contains("request-in-flight"), "{text}");
     let (status, expires) = send_expiry(&app, "t-7", body).await;
     assert_eq!(status, StatusCode::CONFLICT);
-    assert!(expires.is_some(), "409 request-in-flight carries the owner's expiry");
+    assert!(
+        expires.is_some(),
+        "409 request-in-flight carries the owner's expiry"
+    );
     bank.release(1);
     assert_eq!(first.await.unwrap().0, StatusCode::CREATED);
     assert_eq!(bank.calls.load(Ordering::SeqCst), 1);
