@@ -6,11 +6,11 @@
 //! write rows; the claim protocol ([`crate::protocol`]), the layer and the gateway call these
 //! functions and carry out their answers.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::str::FromStr;
 
-use crate::{Fingerprint, Record, RecordState, StoredResponse, Timestamp};
+use crate::{Fingerprint, Members, Record, RecordState, StoredResponse, Timestamp};
 
 /// What to do with a keyed request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,8 +40,9 @@ pub enum Decision<'r> {
     },
 }
 
-/// Which parts of the request differ from the one that claimed the key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Which parts of the request differ from the one that claimed the key, and, for a JSON
+/// body, the first member that differs.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Mismatch {
     /// Path parameters differ.
     pub params: bool,
@@ -49,6 +50,10 @@ pub struct Mismatch {
     pub query: bool,
     /// The body (or its media type) differs.
     pub body: bool,
+    /// The JSON Pointer, in the **new** request's body, of the first member that differs
+    /// (`docs/fingerprint.md`, "Naming the member that differs"); `None` when it cannot be
+    /// told (not JSON, a record without member digests, past the bound).
+    pub pointer: Option<String>,
 }
 
 impl Mismatch {
@@ -66,6 +71,61 @@ impl Mismatch {
         }
         v
     }
+}
+
+/// `body` or `path parameters, body`, then `; first difference at "/amount"` when known.
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.parts().join(", "))?;
+        if let Some(pointer) = &self.pointer {
+            write!(f, "; first difference at \"{pointer}\"")?;
+        }
+        Ok(())
+    }
+}
+
+/// The first member of the new request's body that differs from the stored one, walking the
+/// new request's values in canonical order (containers before their members):
+///
+/// - a value whose pointer the record does not know (an added member or element, or a
+///   selected field that was missing before) is the difference;
+/// - a scalar (or a missing selected field) whose value digest differs is the difference;
+/// - an object or an array whose digest differs has other member names or another length:
+///   its members are walked first, and if none of them differs (so one was removed), the
+///   container itself is the difference, reported where its members end.
+///
+/// Only pointers of the new request are ever reported; the record holds none in clear.
+fn first_differing_member(stored: &Members, new: &Members) -> Option<String> {
+    if stored.digests().is_empty() || new.pointers().len() != new.digests().len() {
+        return None;
+    }
+    let known: HashMap<[u8; 8], [u8; 8]> = stored
+        .digests()
+        .iter()
+        .map(|d| (d.pointer, d.value))
+        .collect();
+    let inside = |pointer: &str, container: &str| {
+        pointer
+            .strip_prefix(container)
+            .is_some_and(|rest| rest.starts_with('/'))
+    };
+    // Containers whose member names or length differ, innermost last.
+    let mut open: Vec<&str> = Vec::new();
+    for (digest, member) in new.digests().iter().zip(new.pointers()) {
+        if let Some(&container) = open.last()
+            && !inside(&member.pointer, container)
+        {
+            // Walked all of it, and no member differed: one was removed.
+            return Some(container.to_owned());
+        }
+        match known.get(&digest.pointer) {
+            None => return Some(member.pointer.clone()),
+            Some(value) if *value == digest.value => {}
+            Some(_) if member.container => open.push(&member.pointer),
+            Some(_) => return Some(member.pointer.clone()),
+        }
+    }
+    open.last().map(|&c| c.to_owned())
 }
 
 /// Decides what a request with `fingerprint` does, given the `existing` record at `now`.
@@ -92,7 +152,13 @@ pub fn decide<'r>(
             params: a.params != b.params,
             query: a.query != b.query,
             body: a.body != b.body,
+            pointer: None,
         };
+        if m.body
+            && let (Some(stored), Some(new)) = (&record.fingerprint.members, &fingerprint.members)
+        {
+            m.pointer = first_differing_member(stored, new);
+        }
         if m == Mismatch::default() {
             // Digests differ while the parts agree (a different encoding version, say):
             // the body is the part a client can change, so name it.
@@ -354,7 +420,7 @@ pub fn after_effect(progress: Progress, rule: &AnswerRule) -> AfterEffect {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{FingerprintParts, RecordId};
+    use crate::{FingerprintParts, MAX_MEMBERS, RecordId};
 
     fn fp(n: u8) -> Fingerprint {
         Fingerprint {
@@ -364,6 +430,7 @@ mod tests {
                 query: [0; 8],
                 body: [n; 8],
             },
+            members: None,
         }
     }
 
@@ -403,6 +470,153 @@ mod tests {
         assert!(
             matches!(decide(Some(&r), &fp(1), NOW), Decision::Replay(resp) if resp.body == b"ok")
         );
+    }
+
+    /// The first differing member of `new` against a record claimed by `old`, with the
+    /// record's members read back from their stored bytes (digests only, no pointers).
+    fn pointer_between(fields: Option<&[&str]>, old: &str, new: &str) -> Option<String> {
+        let spec = crate::FingerprintSpec {
+            fields: fields.map(|f| f.iter().map(|p| p.to_string()).collect()),
+        };
+        let fp = |body: &str| {
+            crate::fingerprint(
+                &crate::RequestParts {
+                    method: "POST",
+                    route: "/p",
+                    path_params: &[],
+                    query: None,
+                    content_type: Some("application/json"),
+                    body: body.as_bytes(),
+                },
+                &spec,
+            )
+        };
+        let mut r = record(RecordState::Completed, None);
+        r.fingerprint = fp(old);
+        let stored = r.fingerprint.members.as_ref().map(Members::to_bytes);
+        r.fingerprint.members = stored.as_deref().and_then(Members::from_bytes);
+        match decide(Some(&r), &fp(new), NOW) {
+            Decision::Mismatch(m) => {
+                assert!(m.body && !m.params && !m.query, "{m:?}");
+                m.pointer
+            }
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    }
+
+    #[track_caller]
+    fn assert_pointer(old: &str, new: &str, expected: &str) {
+        assert_eq!(
+            pointer_between(None, old, new).as_deref(),
+            Some(expected),
+            "{old} → {new}"
+        );
+    }
+
+    #[test]
+    fn names_the_first_differing_member() {
+        let amounts = [
+            r#"{"amount":500,"currency":"EUR"}"#,
+            r#"{"currency":"EUR","amount":600}"#,
+        ];
+        assert_pointer(amounts[0], amounts[1], "/amount");
+        // In canonical order: the first of two changed members.
+        assert_pointer(r#"{"b":1,"a":1}"#, r#"{"a":2,"b":2}"#, "/a");
+        // Number spelling is not a difference.
+        assert_pointer(r#"{"n":1.0,"m":1}"#, r#"{"n":1,"m":2}"#, "/m");
+        // Nested, in arrays; elements by index (10 after 2).
+        let items = |q: u8| format!(r#"{{"items":[{{"qty":1}},{{"qty":1}},{{"qty":{q}}}]}}"#);
+        assert_pointer(&items(1), &items(2), "/items/2/qty");
+        let long = |x: u8| {
+            format!(
+                "[{}]",
+                [1, 1, x, 1, 1, 1, 1, 1, 1, 1, x]
+                    .map(|n| n.to_string())
+                    .join(",")
+            )
+        };
+        assert_pointer(&long(1), &long(2), "/2");
+        // Names are escaped.
+        assert_pointer(r#"{"a/b":{"m~n":1}}"#, r#"{"a/b":{"m~n":2}}"#, "/a~1b/m~0n");
+        // A scalar became an object: its new member is what the record never had.
+        assert_pointer(r#"{"a":1}"#, r#"{"a":{"b":1}}"#, "/a/b");
+        // An object became a scalar.
+        assert_pointer(r#"{"a":{"b":1}}"#, r#"{"a":1}"#, "/a");
+    }
+
+    #[test]
+    fn names_an_added_member_and_the_parent_of_a_removed_one() {
+        assert_pointer(r#"{"a":1}"#, r#"{"a":1,"note":"x"}"#, "/note");
+        assert_pointer(r#"{"items":[1,2]}"#, r#"{"items":[1,2,3]}"#, "/items/2");
+        // Removed: the new request does not have it, so its parent is named.
+        assert_pointer(
+            r#"{"a":1,"b":{"c":1,"d":2}}"#,
+            r#"{"a":1,"b":{"c":1}}"#,
+            "/b",
+        );
+        assert_pointer(r#"{"items":[1,2,3]}"#, r#"{"items":[1,2]}"#, "/items");
+        assert_pointer(r#"{"a":1,"z":1}"#, r#"{"a":1}"#, "");
+        // A removal is reported where its parent's members end: before a later change.
+        assert_pointer(
+            r#"{"x":{"p":1,"q":1},"y":1}"#,
+            r#"{"x":{"p":1},"y":2}"#,
+            "/x",
+        );
+        // ... and after an earlier one inside the same parent.
+        assert_pointer(r#"{"x":{"p":1,"q":1}}"#, r#"{"x":{"p":2}}"#, "/x/p");
+        // A renamed member is an added one.
+        assert_pointer(r#"{"a":1,"b":1}"#, r#"{"a":1,"c":1}"#, "/c");
+    }
+
+    #[test]
+    fn names_only_selected_fields() {
+        let fields: &[&str] = &["/amount", "/items"];
+        let pointer = |old, new| pointer_between(Some(fields), old, new);
+        assert_eq!(
+            pointer(r#"{"amount":1,"ts":1}"#, r#"{"amount":2,"ts":2}"#).as_deref(),
+            Some("/amount")
+        );
+        assert_eq!(
+            pointer(
+                r#"{"items":[{"qty":1}],"ts":1}"#,
+                r#"{"items":[{"qty":2}],"ts":2}"#
+            )
+            .as_deref(),
+            Some("/items/0/qty")
+        );
+        // A selected field the new request lacks is named by the route's own pointer.
+        assert_eq!(
+            pointer(r#"{"amount":1}"#, r#"{}"#).as_deref(),
+            Some("/amount")
+        );
+    }
+
+    #[test]
+    fn names_no_member_past_the_bound_or_without_digests() {
+        let big = |x: u32| {
+            let items: Vec<String> = (0..MAX_MEMBERS as u32)
+                .map(|i| (i + x).to_string())
+                .collect();
+            format!("[{}]", items.join(","))
+        };
+        assert_eq!(pointer_between(None, &big(0), &big(1)), None);
+        // Just under the bound (the array itself counts as one value) it is named.
+        let under = |x: u32| {
+            let items: Vec<String> = (0..MAX_MEMBERS as u32 - 1)
+                .map(|i| (i + x).to_string())
+                .collect();
+            format!("[{}]", items.join(","))
+        };
+        assert_eq!(
+            pointer_between(None, &under(0), &under(1)).as_deref(),
+            Some("/0")
+        );
+        // Not JSON.
+        let r = record(RecordState::Completed, None);
+        let Decision::Mismatch(m) = decide(Some(&r), &fp(2), NOW) else {
+            panic!("a mismatch")
+        };
+        assert_eq!(m.pointer, None);
     }
 
     #[test]

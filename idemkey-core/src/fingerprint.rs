@@ -22,6 +22,10 @@
 //! digest     = SHA-256(FINGERPRINT_VERSION ‖ lp(method) ‖ lp(route) ‖ lp(params) ‖ lp(query) ‖ lp(body))
 //! parts.*    = SHA-256(part)[..8]
 //! ```
+//!
+//! A JSON body also yields [`Members`]: per value, a short digest of its JSON Pointer and
+//! one of its canonical value, so that a 422 can name the first member that differs without
+//! the record keeping any name or value in clear.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -42,6 +46,218 @@ pub struct Fingerprint {
     pub digest: [u8; 32],
     /// Truncated per-part digests, to name which part differs.
     pub parts: FingerprintParts,
+    /// Per-member digests of a JSON body, to name the first member that differs; `None` for
+    /// a body that is not JSON (or falls back to raw bytes) and past [`MAX_MEMBERS`] values.
+    pub members: Option<Members>,
+}
+
+/// At most this many values of a JSON body (the document, its members and elements, at
+/// every depth; or, under a field selection, the selected values and theirs) get member
+/// digests. A larger body gets none, and its 422 names only the part that differs.
+pub const MAX_MEMBERS: usize = 256;
+
+/// The first byte of [`Members::to_bytes`]: the version of the member digest encoding.
+pub const MEMBERS_VERSION: u8 = 1;
+
+/// What the record keeps of one value of a JSON body: two truncated digests, neither the
+/// member's name nor its value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MemberDigest {
+    /// `SHA-256('p' ‖ lp(pointer))[..8]`.
+    pub pointer: [u8; 8],
+    /// `SHA-256('v' ‖ lp(pointer) ‖ node)[..8]`, `node` being the value's canonical form
+    /// (scalars), its member names (objects), its length (arrays) or "missing".
+    pub value: [u8; 8],
+}
+
+/// One value of the request's own JSON body, as only the request itself knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberPointer {
+    /// Its JSON Pointer (RFC 6901, escaped), e.g. `/items/2/qty`.
+    pub pointer: String,
+    /// An object or an array (whose members follow it), not a scalar or a missing field.
+    pub container: bool,
+}
+
+/// The per-value digests of a JSON body, in canonical order: the order in which the values
+/// appear in the body's RFC 8785 form (a container before its members; members sorted as JCS
+/// sorts them, elements by index). Under a field selection: per selected pointer, sorted and
+/// deduplicated, the value there and its members, or one "missing" entry.
+///
+/// A fingerprint computed from a request also holds the request's own pointers
+/// ([`pointers`](Self::pointers)); one read from a record holds only the digests, which is
+/// all a record stores. Equality compares the digests only.
+#[derive(Debug, Clone, Default)]
+pub struct Members {
+    digests: Vec<MemberDigest>,
+    pointers: Vec<MemberPointer>,
+}
+
+impl PartialEq for Members {
+    fn eq(&self, other: &Self) -> bool {
+        self.digests == other.digests
+    }
+}
+
+impl Eq for Members {}
+
+impl Members {
+    /// The digests, in canonical order.
+    pub fn digests(&self) -> &[MemberDigest] {
+        &self.digests
+    }
+
+    /// The request's own pointers, parallel to [`digests`](Self::digests); empty when read
+    /// from a record.
+    pub fn pointers(&self) -> &[MemberPointer] {
+        &self.pointers
+    }
+
+    /// The stored form: [`MEMBERS_VERSION`], then 16 bytes per value (pointer digest ‖
+    /// value digest).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(1 + 16 * self.digests.len());
+        out.push(MEMBERS_VERSION);
+        for d in &self.digests {
+            out.extend_from_slice(&d.pointer);
+            out.extend_from_slice(&d.value);
+        }
+        out
+    }
+
+    /// Inverse of [`to_bytes`](Self::to_bytes), without pointers. `None` for another
+    /// version or a malformed length: the record then names no member, nothing else changes.
+    pub fn from_bytes(b: &[u8]) -> Option<Self> {
+        let (&version, rest) = b.split_first()?;
+        if version != MEMBERS_VERSION || rest.len() % 16 != 0 || rest.len() / 16 > MAX_MEMBERS {
+            return None;
+        }
+        let digests = rest
+            .chunks_exact(16)
+            .map(|c| {
+                let mut d = MemberDigest {
+                    pointer: [0; 8],
+                    value: [0; 8],
+                };
+                d.pointer.copy_from_slice(&c[..8]);
+                d.value.copy_from_slice(&c[8..]);
+                d
+            })
+            .collect();
+        Some(Self {
+            digests,
+            pointers: Vec::new(),
+        })
+    }
+
+    fn push(&mut self, pointer: &str, node: &[u8], container: bool) -> bool {
+        if self.digests.len() == MAX_MEMBERS {
+            return false;
+        }
+        let mut p = Sha256::new();
+        p.update(b"p");
+        p.update((pointer.len() as u64).to_be_bytes());
+        p.update(pointer.as_bytes());
+        let mut v = Sha256::new();
+        v.update(b"v");
+        v.update((pointer.len() as u64).to_be_bytes());
+        v.update(pointer.as_bytes());
+        v.update(node);
+        let mut d = MemberDigest {
+            pointer: [0; 8],
+            value: [0; 8],
+        };
+        d.pointer.copy_from_slice(&p.finalize()[..8]);
+        d.value.copy_from_slice(&v.finalize()[..8]);
+        self.digests.push(d);
+        self.pointers.push(MemberPointer {
+            pointer: pointer.to_owned(),
+            container,
+        });
+        true
+    }
+
+    /// Adds `value` at `pointer` and, depth first in canonical order, its members; `false`
+    /// past [`MAX_MEMBERS`] (or if a scalar cannot be canonicalized).
+    fn walk(&mut self, value: &Value, pointer: &mut String) -> bool {
+        match value {
+            Value::Object(map) => {
+                let mut names: Vec<&String> = map.keys().collect();
+                names.sort_by(|a, b| a.encode_utf16().cmp(b.encode_utf16()));
+                let mut node = vec![b'O'];
+                node.extend_from_slice(&(names.len() as u64).to_be_bytes());
+                for name in &names {
+                    node.extend_from_slice(&(name.len() as u64).to_be_bytes());
+                    node.extend_from_slice(name.as_bytes());
+                }
+                if !self.push(pointer, &node, true) {
+                    return false;
+                }
+                for name in names {
+                    let len = pointer.len();
+                    pointer.push('/');
+                    pointer.push_str(&name.replace('~', "~0").replace('/', "~1"));
+                    let ok = self.walk(&map[name.as_str()], pointer);
+                    pointer.truncate(len);
+                    if !ok {
+                        return false;
+                    }
+                }
+                true
+            }
+            Value::Array(items) => {
+                let mut node = vec![b'A'];
+                node.extend_from_slice(&(items.len() as u64).to_be_bytes());
+                if !self.push(pointer, &node, true) {
+                    return false;
+                }
+                for (i, item) in items.iter().enumerate() {
+                    let len = pointer.len();
+                    pointer.push('/');
+                    pointer.push_str(&i.to_string());
+                    let ok = self.walk(item, pointer);
+                    pointer.truncate(len);
+                    if !ok {
+                        return false;
+                    }
+                }
+                true
+            }
+            scalar => {
+                let Ok(canonical) = serde_json_canonicalizer::to_vec(scalar) else {
+                    return false;
+                };
+                let mut node = vec![b'S'];
+                node.extend_from_slice(&(canonical.len() as u64).to_be_bytes());
+                node.extend_from_slice(&canonical);
+                self.push(pointer, &node, false)
+            }
+        }
+    }
+
+    /// The members of `doc`: the whole document, or only the selected `pointers`.
+    fn of(doc: &Value, pointers: Option<&[&str]>) -> Option<Self> {
+        let mut members = Self::default();
+        match pointers {
+            None => {
+                if !members.walk(doc, &mut String::new()) {
+                    return None;
+                }
+            }
+            Some(pointers) => {
+                for &pointer in pointers {
+                    let ok = match doc.pointer(pointer) {
+                        None => members.push(pointer, b"N", false),
+                        Some(value) => members.walk(value, &mut pointer.to_owned()),
+                    };
+                    if !ok {
+                        return None;
+                    }
+                }
+            }
+        }
+        Some(members)
+    }
 }
 
 /// The first 8 bytes of SHA-256 over each part's own canonical encoding.
@@ -143,7 +359,7 @@ pub fn fingerprint(req: &RequestParts<'_>, spec: &FingerprintSpec) -> Fingerprin
         e.pairs(&mut pairs);
         e.0
     };
-    let body = encode_body(req.content_type, req.body, spec);
+    let (body, members) = encode_body(req.content_type, req.body, spec);
 
     let mut h = Sha256::new();
     h.update([FINGERPRINT_VERSION]);
@@ -158,6 +374,7 @@ pub fn fingerprint(req: &RequestParts<'_>, spec: &FingerprintSpec) -> Fingerprin
             query: short_hash(&query),
             body: short_hash(&body),
         },
+        members,
     }
 }
 
@@ -235,24 +452,30 @@ fn body_kind(media_type: &str) -> BodyKind {
     }
 }
 
-fn encode_body(content_type: Option<&str>, body: &[u8], spec: &FingerprintSpec) -> Vec<u8> {
+fn encode_body(
+    content_type: Option<&str>,
+    body: &[u8],
+    spec: &FingerprintSpec,
+) -> (Vec<u8>, Option<Members>) {
     let media_type = normalize_media_type(content_type);
     let mut e = Enc::new(b'B', media_type.len() + body.len() + 32);
     e.lp(media_type.as_bytes());
+    let mut members = None;
     match body_kind(&media_type) {
-        BodyKind::Json => {
-            if !encode_json(&mut e, body, spec) {
+        BodyKind::Json => match encode_json(&mut e, body, spec) {
+            Some(m) => members = m,
+            None => {
                 e.0.truncate(1 + 8 + media_type.len());
                 encode_raw(&mut e, body);
             }
-        }
+        },
         BodyKind::Form => {
             e.byte(b'W');
             e.pairs(&mut decode_form(body));
         }
         BodyKind::Raw => encode_raw(&mut e, body),
     }
-    e.0
+    (e.0, members)
 }
 
 fn encode_raw(e: &mut Enc, body: &[u8]) {
@@ -260,18 +483,16 @@ fn encode_raw(e: &mut Enc, body: &[u8]) {
     e.lp(body);
 }
 
-/// Appends the JSON body's encoding; `false` (with `e` partly written) if it is not I-JSON.
-fn encode_json(e: &mut Enc, body: &[u8], spec: &FingerprintSpec) -> bool {
-    let Some(doc) = parse_i_json(body) else {
-        return false;
-    };
+/// Appends the JSON body's encoding and answers its members (`Some(None)` past
+/// [`MAX_MEMBERS`]); `None` (with `e` partly written) if it is not I-JSON.
+fn encode_json(e: &mut Enc, body: &[u8], spec: &FingerprintSpec) -> Option<Option<Members>> {
+    let doc = parse_i_json(body)?;
     match spec.fields.as_deref() {
         None | Some([]) => {
-            let Ok(canonical) = serde_json_canonicalizer::to_vec(&doc) else {
-                return false;
-            };
+            let canonical = serde_json_canonicalizer::to_vec(&doc).ok()?;
             e.byte(b'J');
             e.lp(&canonical);
+            Some(Members::of(&doc, None))
         }
         Some(fields) => {
             let mut pointers: Vec<&str> = fields.iter().map(String::as_str).collect();
@@ -279,22 +500,20 @@ fn encode_json(e: &mut Enc, body: &[u8], spec: &FingerprintSpec) -> bool {
             pointers.dedup();
             e.byte(b'F');
             e.u64(pointers.len());
-            for pointer in pointers {
+            for &pointer in &pointers {
                 e.lp(pointer.as_bytes());
                 match doc.pointer(pointer) {
                     None => e.byte(0x00),
                     Some(value) => {
-                        let Ok(canonical) = serde_json_canonicalizer::to_vec(value) else {
-                            return false;
-                        };
+                        let canonical = serde_json_canonicalizer::to_vec(value).ok()?;
                         e.byte(0x01);
                         e.lp(&canonical);
                     }
                 }
             }
+            Some(Members::of(&doc, Some(&pointers)))
         }
     }
-    true
 }
 
 /// Parses a JSON text that is also I-JSON as far as JCS needs: no duplicate member names
@@ -568,6 +787,45 @@ mod tests {
         assert_eq!(got.parts.params, short(&params));
         assert_eq!(got.parts.query, short(&query));
         assert_eq!(got.parts.body, short(&body));
+    }
+
+    #[test]
+    fn member_digests_keep_no_names_or_values_and_ignore_spelling() {
+        let a = fp_json(r#"{"customer_name":"Alice Liddell","amount":1.0}"#);
+        let b = fp_json(r#"{ "amount": 1, "customer_name": "Alice Liddell" }"#);
+        let members = a.members.as_ref().expect("a JSON body has members");
+        assert_eq!(a.members, b.members);
+        let pointers: Vec<&str> = members
+            .pointers()
+            .iter()
+            .map(|p| p.pointer.as_str())
+            .collect();
+        assert_eq!(
+            pointers,
+            ["", "/amount", "/customer_name"],
+            "canonical order"
+        );
+        let stored = members.to_bytes();
+        assert_eq!(stored.len(), 1 + 16 * 3);
+        assert_eq!(stored[0], MEMBERS_VERSION);
+        for clear in ["customer_name", "Alice", "amount"] {
+            assert!(
+                !stored.windows(clear.len()).any(|w| w == clear.as_bytes()),
+                "{clear} is stored in clear"
+            );
+        }
+        let back = Members::from_bytes(&stored).expect("round trip");
+        assert_eq!(&back, members);
+        assert!(back.pointers().is_empty(), "pointers are never stored");
+        assert_eq!(Members::from_bytes(&[2]), None, "another version");
+        assert_eq!(
+            Members::from_bytes(&stored[..20]),
+            None,
+            "a malformed length"
+        );
+        // Bodies that are not JSON have none.
+        assert_eq!(fp_body(Some("text/plain"), "{}").members, None);
+        assert_eq!(fp_json("{").members, None);
     }
 
     #[test]

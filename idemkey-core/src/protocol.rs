@@ -77,14 +77,25 @@ pub enum ClaimOutcome {
         expires_at: Timestamp,
     },
     /// The key was used with a different request.
-    Mismatch(Mismatch),
+    Mismatch {
+        /// What differs.
+        mismatch: Mismatch,
+        /// When the record that holds the key expires.
+        expires_at: Timestamp,
+    },
     /// Another attempt is running.
     InFlight {
         /// The owner's lease, when there is one.
         lease_expires_at: Option<Timestamp>,
+        /// When the owner's record expires: `None` when no record was read (the store's
+        /// lock was not granted in time, or the claim gave up after racing takers).
+        expires_at: Option<Timestamp>,
     },
     /// The outcome of the first attempt is unknown; it is not re-executed.
-    OutcomeUnknown,
+    OutcomeUnknown {
+        /// When the record expires.
+        expires_at: Timestamp,
+    },
 }
 
 /// Local mode: claims the key on `conn`, a transaction the caller owns.
@@ -159,46 +170,72 @@ async fn claim_on<S: Store>(
         match store.insert(conn, record).await {
             Ok(true) => return Ok(owned(1)),
             Ok(false) => {}
-            Err(StoreError::Busy(_)) => return Ok(in_flight(None)),
+            Err(StoreError::Busy(_)) => return Ok(in_flight()),
             Err(e) => return Err(e.into()),
         }
         // Lost: somebody holds (or held) the key. Read what they left.
         let existing = match store.fetch(conn, &record.id).await {
             Ok(existing) => existing,
-            Err(StoreError::Busy(_)) => return Ok(in_flight(None)),
+            Err(StoreError::Busy(_)) => return Ok(in_flight()),
             Err(e) => return Err(e.into()),
         };
+        // Every answer below is given because this record exists: it carries its expiry.
+        let expires_at = existing.as_ref().map_or(claim.now, |r| r.expires_at);
         match decide(existing.as_ref(), &claim.fingerprint, claim.now) {
             // Deleted between our insert and our read (released, evicted, purged): again.
             Decision::Execute => continue,
             Decision::TakeOver { token } => match store.replace(conn, record, token).await {
                 Ok(Some(token)) => return Ok(owned(token)),
                 Ok(None) => continue,
-                Err(StoreError::Busy(_)) => return Ok(in_flight(None)),
+                Err(StoreError::Busy(_)) => return Ok(in_flight()),
                 Err(e) => return Err(e.into()),
             },
-            Decision::Replay(response) => {
-                let expires_at = existing.as_ref().map(|r| r.expires_at);
-                return Ok(ClaimOutcome::Replay {
-                    response: response.clone(),
-                    expires_at: expires_at.unwrap_or(claim.now),
-                });
-            }
-            Decision::Mismatch(m) => return Ok(ClaimOutcome::Mismatch(m)),
-            Decision::InFlight { lease_expires_at } => return Ok(in_flight(lease_expires_at)),
-            Decision::OutcomeUnknown { mark_indeterminate } => {
-                if let Some(token) = mark_indeterminate {
-                    // Persist what the decision found, so operators and metrics see it. If
-                    // the token moved, someone else marked or resolved it first: same answer.
-                    store
-                        .mark_indeterminate(conn, &record.id, token, claim.now)
-                        .await?;
+            decision => {
+                if let Some(answer) =
+                    answer_from(store, conn, &record.id, decision, expires_at, claim.now).await?
+                {
+                    return Ok(answer);
                 }
-                return Ok(ClaimOutcome::OutcomeUnknown);
             }
         }
     }
-    Ok(in_flight(None))
+    Ok(in_flight())
+}
+
+/// The answer a request gets from a record it cannot claim (a replay, a mismatch, in flight,
+/// outcome unknown), each carrying the record's expiry; `None` when the record can be
+/// claimed (`Execute`, `TakeOver`). A lapsed executing record is marked indeterminate first,
+/// so operators and metrics see it; if its token moved, someone else marked or resolved it
+/// first: same answer.
+async fn answer_from<S: Store>(
+    store: &S,
+    conn: &mut S::Connection,
+    id: &RecordId,
+    decision: Decision<'_>,
+    expires_at: Timestamp,
+    now: Timestamp,
+) -> Result<Option<ClaimOutcome>> {
+    Ok(Some(match decision {
+        Decision::Execute | Decision::TakeOver { .. } => return Ok(None),
+        Decision::Replay(response) => ClaimOutcome::Replay {
+            response: response.clone(),
+            expires_at,
+        },
+        Decision::Mismatch(mismatch) => ClaimOutcome::Mismatch {
+            mismatch,
+            expires_at,
+        },
+        Decision::InFlight { lease_expires_at } => ClaimOutcome::InFlight {
+            lease_expires_at,
+            expires_at: Some(expires_at),
+        },
+        Decision::OutcomeUnknown { mark_indeterminate } => {
+            if let Some(token) = mark_indeterminate {
+                store.mark_indeterminate(conn, id, token, now).await?;
+            }
+            ClaimOutcome::OutcomeUnknown { expires_at }
+        }
+    }))
 }
 
 /// Key-secret rotation: what the record kept under the previous secret's identity `id`
@@ -206,10 +243,9 @@ async fn claim_on<S: Store>(
 ///
 /// `None` when there is nothing to answer from (no record, an expired one, or a reservation
 /// whose owner stopped before the point of no return): the caller claims under the current
-/// identity. Otherwise the answer a claim that lost to this record would get (a replay,
-/// a mismatch, in flight, outcome unknown), by the same [`decide`]; a lapsed executing
-/// record is marked indeterminate, as a claim would mark it. The record is read on a
-/// pooled connection of its own, outside any transaction of the caller's.
+/// identity. Otherwise the answer a claim that lost to this record would get, by the same
+/// [`decide`]. The record is read on a pooled connection of its own, outside any
+/// transaction of the caller's.
 pub async fn lookup_previous<S: Store>(
     store: &S,
     id: &RecordId,
@@ -219,28 +255,20 @@ pub async fn lookup_previous<S: Store>(
     let mut conn = store.acquire().await?;
     let existing = match store.fetch(&mut conn, id).await {
         Ok(existing) => existing,
-        Err(StoreError::Busy(_)) => return Ok(Some(in_flight(None))),
+        Err(StoreError::Busy(_)) => return Ok(Some(in_flight())),
         Err(e) => return Err(e.into()),
     };
-    Ok(match decide(existing.as_ref(), fingerprint, now) {
-        Decision::Execute | Decision::TakeOver { .. } => None,
-        Decision::Replay(response) => Some(ClaimOutcome::Replay {
-            response: response.clone(),
-            expires_at: existing.as_ref().map_or(now, |r| r.expires_at),
-        }),
-        Decision::Mismatch(m) => Some(ClaimOutcome::Mismatch(m)),
-        Decision::InFlight { lease_expires_at } => Some(in_flight(lease_expires_at)),
-        Decision::OutcomeUnknown { mark_indeterminate } => {
-            if let Some(token) = mark_indeterminate {
-                store.mark_indeterminate(&mut conn, id, token, now).await?;
-            }
-            Some(ClaimOutcome::OutcomeUnknown)
-        }
-    })
+    let expires_at = existing.as_ref().map_or(now, |r| r.expires_at);
+    let decision = decide(existing.as_ref(), fingerprint, now);
+    answer_from(store, &mut conn, id, decision, expires_at, now).await
 }
 
-fn in_flight(lease_expires_at: Option<Timestamp>) -> ClaimOutcome {
-    ClaimOutcome::InFlight { lease_expires_at }
+/// "In flight" without a record in hand: no lease and no expiry to tell.
+fn in_flight() -> ClaimOutcome {
+    ClaimOutcome::InFlight {
+        lease_expires_at: None,
+        expires_at: None,
+    }
 }
 
 /// External mode: the owner's handle on a reserved record. Every write carries the fencing

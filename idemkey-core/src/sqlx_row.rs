@@ -4,8 +4,8 @@
 //! 64-bit integers), so one `FromRow` type reads a record from either.
 
 use crate::{
-    AuditEntry, BoxError, Fingerprint, FingerprintParts, Record, RecordId, RecordState, StoreError,
-    StoredResponse, Timestamp,
+    AuditEntry, BoxError, Fingerprint, FingerprintParts, Members, Record, RecordId, RecordState,
+    StoreError, StoredResponse, Timestamp,
 };
 
 /// One row of `idemkey_records`, as both stores select it.
@@ -26,6 +26,7 @@ pub struct RecordRow {
     updated_at: i64,
     expires_at: i64,
     sealed_key: Option<Vec<u8>>,
+    fingerprint_members: Option<Vec<u8>>,
 }
 
 impl TryFrom<RecordRow> for Record {
@@ -60,6 +61,12 @@ impl TryFrom<RecordRow> for Record {
                     .map_err(|_| corrupt("bad fingerprint"))?,
                 parts: FingerprintParts::from_bytes(&row.fingerprint_parts)
                     .ok_or_else(|| corrupt("bad fingerprint parts"))?,
+                // Only ever used to name a member in a 422: a value this version cannot read
+                // (another encoding version) names none rather than make the record unusable.
+                members: row
+                    .fingerprint_members
+                    .as_deref()
+                    .and_then(Members::from_bytes),
             },
             state,
             token: row.token,

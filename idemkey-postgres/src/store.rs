@@ -2,8 +2,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, ListFilter, NewRecord, Record, RecordId, RecordRow, Store, StoreError,
-    StoredResponse, Timestamp, classify_error,
+    AuditEntry, AuditRow, ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store,
+    StoreError, StoredResponse, Timestamp, classify_error,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
@@ -115,8 +115,9 @@ impl Store for PgStore {
         let row: Option<i64> = sqlx::query_scalar(
             "INSERT INTO idemkey_records
                  (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
-                  lease_expires_at, created_at, updated_at, expires_at, sealed_key)
-             VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10)
+                  lease_expires_at, created_at, updated_at, expires_at, sealed_key,
+                  fingerprint_members)
+             VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11)
              ON CONFLICT (tenant, key_hash, route) DO NOTHING
              RETURNING token",
         )
@@ -130,6 +131,7 @@ impl Store for PgStore {
         .bind(r.now.as_millis())
         .bind(r.expires_at.as_millis())
         .bind(r.sealed_key.as_deref())
+        .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
         .fetch_optional(conn)
         .await
         .map_err(error)?;
@@ -165,7 +167,7 @@ impl Store for PgStore {
                 SET fingerprint = $4, fingerprint_parts = $5, state = $6, token = token + 1,
                     lease_expires_at = $7, response_status = NULL, response_headers = NULL,
                     response_body = NULL, created_at = $8, updated_at = $8, expires_at = $9,
-                    sealed_key = $11
+                    sealed_key = $11, fingerprint_members = $12
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $10
              RETURNING token",
         )
@@ -180,6 +182,7 @@ impl Store for PgStore {
         .bind(r.expires_at.as_millis())
         .bind(token)
         .bind(r.sealed_key.as_deref())
+        .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
         .fetch_optional(conn)
         .await
         .map_err(error)

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease, Resolution};
 use idemkey_core::{
-    Fingerprint, FingerprintParts, IdempotencyKey, KeyHasher, ListFilter, RecordId, RecordState,
-    Scope, Store, StoredResponse, Timestamp,
+    Fingerprint, FingerprintParts, FingerprintSpec, IdempotencyKey, KeyHasher, ListFilter,
+    RecordId, RecordState, RequestParts, Scope, Store, StoredResponse, Timestamp,
 };
 use tokio::sync::Barrier;
 
@@ -60,6 +60,7 @@ fn fp(body: u8) -> Fingerprint {
             query: [0; 8],
             body: [body; 8],
         },
+        members: None,
     }
 }
 
@@ -105,6 +106,69 @@ async fn fetch<H: Harness>(h: &H, id: &RecordId) -> Option<idemkey_core::Record>
     h.store().fetch(&mut conn, id).await.expect("fetch")
 }
 
+/// The fingerprint of a JSON request with `body`, member digests included.
+fn json_fp(body: &str) -> Fingerprint {
+    idemkey_core::fingerprint(
+        &RequestParts {
+            method: "POST",
+            route: "/v1/payments",
+            path_params: &[],
+            query: None,
+            content_type: Some("application/json"),
+            body: body.as_bytes(),
+        },
+        &FingerprintSpec::default(),
+    )
+}
+
+/// The member digests of a JSON body are stored with the claim and with a takeover, read
+/// back equal (digests only, never pointers), and name the first differing member of a
+/// mismatched retry; a body without them stores none.
+pub async fn member_digests_round_trip<H: Harness>(h: H) {
+    let key = id("t1", "/v1/payments", "k-members");
+    let now = Timestamp::now();
+    let first = json_fp(r#"{"amount":500,"currency":"EUR","items":[{"qty":1},{"qty":2}]}"#);
+    let claim = Claim {
+        fingerprint: first.clone(),
+        ..claim_at(&key, 1, now)
+    };
+    run_once(&h, &claim, "k-members", "{}").await;
+    let record = fetch(&h, &key).await.expect("record");
+    let stored = record.fingerprint.members.expect("members stored");
+    assert_eq!(Some(&stored), first.members.as_ref());
+    assert_eq!(stored.digests().len(), 8);
+    assert!(stored.pointers().is_empty(), "no pointer is stored");
+
+    let retry = Claim {
+        fingerprint: json_fp(r#"{"items":[{"qty":1},{"qty":2}],"currency":"EUR","amount":600}"#),
+        ..claim_at(&key, 1, now)
+    };
+    match run_once(&h, &retry, "k-members", "{}").await {
+        ClaimOutcome::Mismatch { mismatch, .. } => {
+            assert_eq!(mismatch.pointer.as_deref(), Some("/amount"), "{mismatch:?}");
+        }
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+
+    // A takeover of the expired record writes the new request's digests.
+    let later = now.plus(RETENTION);
+    let second = json_fp(r#"{"amount":7}"#);
+    let takeover = Claim {
+        fingerprint: second.clone(),
+        ..claim_at(&key, 1, later)
+    };
+    let outcome = run_once(&h, &takeover, "k-members", "{}").await;
+    assert!(matches!(outcome, ClaimOutcome::Owned { .. }), "{outcome:?}");
+    let record = fetch(&h, &key).await.expect("record");
+    assert_eq!(record.fingerprint.members, second.members);
+
+    // A fingerprint without member digests stores none.
+    let plain = id("t1", "/v1/payments", "k-no-members");
+    run_once(&h, &claim_at(&plain, 1, now), "k-no-members", "{}").await;
+    let record = fetch(&h, &plain).await.expect("record");
+    assert_eq!(record.fingerprint.members, None);
+}
+
 /// A fresh key is owned; the retry replays the stored response byte for byte.
 pub async fn claims_fresh_key_then_replays<H: Harness>(h: H) {
     let id = id("t1", "/v1/payments", "k-1");
@@ -134,7 +198,17 @@ pub async fn rejects_mismatched_fingerprint<H: Harness>(h: H) {
     run_once(&h, &claim_at(&id, 1, now), "k-1", "{}").await;
     let other = run_once(&h, &claim_at(&id, 2, now), "k-1", "{}").await;
     match other {
-        ClaimOutcome::Mismatch(m) => assert!(m.body && !m.params && !m.query),
+        ClaimOutcome::Mismatch {
+            mismatch: m,
+            expires_at,
+        } => {
+            assert!(m.body && !m.params && !m.query);
+            assert_eq!(
+                expires_at,
+                now.plus(RETENTION),
+                "the stored record's expiry"
+            );
+        }
         other => panic!("expected a mismatch, got {other:?}"),
     }
     assert_eq!(h.count_effects().await, 1);
@@ -416,7 +490,8 @@ pub async fn reservation_holds_the_key_while_leased<H: Harness>(h: H) {
     assert_eq!(
         second,
         ClaimOutcome::InFlight {
-            lease_expires_at: Some(now.plus(lease))
+            lease_expires_at: Some(now.plus(lease)),
+            expires_at: Some(now.plus(RETENTION)),
         }
     );
     let owner = Lease::new(store.clone(), id.clone(), token, lease);
@@ -508,7 +583,10 @@ pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harnes
         let outcome = protocol::reserve(&store, &claim_at(&id, 1, later), lease)
             .await
             .expect("reserve");
-        assert_eq!(outcome, ClaimOutcome::OutcomeUnknown);
+        assert!(
+            matches!(outcome, ClaimOutcome::OutcomeUnknown { .. }),
+            "{outcome:?}"
+        );
     }
     let record = fetch(&h, &id).await.expect("record");
     assert_eq!(record.state, RecordState::Indeterminate);
@@ -576,7 +654,10 @@ pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
     let outcome = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
         .await
         .expect("reserve");
-    assert_eq!(outcome, ClaimOutcome::OutcomeUnknown);
+    assert!(
+        matches!(outcome, ClaimOutcome::OutcomeUnknown { .. }),
+        "{outcome:?}"
+    );
     protocol::resolve(&store, &id, &Resolution::Released, "operator:test", None)
         .await
         .expect("resolve");
@@ -742,6 +823,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@each $harness;
             claims_fresh_key_then_replays,
             rejects_mismatched_fingerprint,
+            member_digests_round_trip,
             one_of_64_concurrent_claims_owns_the_key,
             two_hundred_keys_sixteen_claimants_one_effect_each,
             rolled_back_owner_leaves_nothing,

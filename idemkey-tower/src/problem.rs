@@ -32,8 +32,9 @@ pub enum IdempotencyRejection {
     /// The request body could not be read.
     #[error("the request body could not be read")]
     RequestUnreadable,
-    /// The key was already used with a different request.
-    #[error("this Idempotency-Key was used with a different request ({})", .0.parts().join(", "))]
+    /// The key was already used with a different request: the problem names the parts that
+    /// differ (`differs`) and, for a JSON body, the first member that differs (`pointer`).
+    #[error("this Idempotency-Key was used with a different request ({0})")]
     KeyReused(Mismatch),
     /// The first attempt with this key is still running.
     #[error("a request with this Idempotency-Key is still being processed")]
@@ -152,7 +153,12 @@ impl IntoResponse for IdempotencyRejection {
         let mut retry_after = None;
         let mut link = None;
         match &self {
-            Self::KeyReused(m) => body["differs"] = serde_json::json!(m.parts()),
+            Self::KeyReused(m) => {
+                body["differs"] = serde_json::json!(m.parts());
+                if let Some(pointer) = &m.pointer {
+                    body["pointer"] = serde_json::json!(pointer);
+                }
+            }
             Self::InFlight { retry_after: r }
             | Self::StoreUnavailable { retry_after: r }
             | Self::StoreBusy { retry_after: r }

@@ -16,7 +16,9 @@ use axum::routing::post;
 use http::{Request, StatusCode};
 use idemkey_core::{KeyHasher, ListFilter, RecordState, Store};
 use idemkey_sqlite::SqliteStore;
-use idemkey_tower::{External, IdempotencyLayer, InFlightPolicy, Metrics, REPLAYED_HEADER};
+use idemkey_tower::{
+    EXPIRES_HEADER, External, IdempotencyLayer, InFlightPolicy, Metrics, REPLAYED_HEADER,
+};
 use serde_json::Value;
 use tempfile::TempDir;
 use tower::ServiceExt;
@@ -125,6 +127,21 @@ async fn send(app: &Router, key: &str, body: &str) -> (StatusCode, bool, String)
     )
 }
 
+/// Sends like [`send`] and answers the status and `Idempotency-Key-Expires`, if any.
+async fn send_expiry(app: &Router, key: &str, body: &str) -> (StatusCode, Option<String>) {
+    let request = Request::post("/transfers")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_owned()))
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    let expires = response
+        .headers()
+        .get(EXPIRES_HEADER)
+        .map(|v| v.to_str().unwrap().to_owned());
+    (response.status(), expires)
+}
+
 async fn states(store: &SqliteStore) -> Vec<RecordState> {
     let mut conn = store.acquire().await.unwrap();
     let records = store.list(&mut conn, &ListFilter::default()).await.unwrap();
@@ -148,13 +165,23 @@ async fn completes_and_replays_without_calling_out_again() {
 async fn unknown_outcome_is_never_re_executed() {
     let (_dir, store, bank, app, metrics) = setup(LEASE, InFlightPolicy::default()).await;
     let body = r#"{"after":"unknown"}"#;
-    assert_eq!(send(&app, "t-2", body).await.0, StatusCode::GATEWAY_TIMEOUT);
+    let (status, first_expires) = send_expiry(&app, "t-2", body).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert!(
+        first_expires.is_some(),
+        "the owner tells the kept record's expiry"
+    );
     assert_eq!(states(&store).await, [RecordState::Indeterminate]);
     for _ in 0..3 {
         let (status, _, text) = send(&app, "t-2", body).await;
         assert_eq!(status, StatusCode::CONFLICT, "{text}");
         assert!(text.contains("outcome-unknown"), "{text}");
     }
+    assert_eq!(
+        send_expiry(&app, "t-2", body).await,
+        (StatusCode::CONFLICT, first_expires),
+        "409 outcome-unknown carries the record's expiry"
+    );
     assert_eq!(
         bank.calls.load(Ordering::SeqCst),
         1,
@@ -170,8 +197,12 @@ async fn unknown_outcome_is_never_re_executed() {
 #[tokio::test]
 async fn failure_before_the_point_of_no_return_frees_the_key() {
     let (_dir, store, bank, app, _metrics) = setup(LEASE, InFlightPolicy::default()).await;
-    let failed = send(&app, "t-3", r#"{"before":"fail"}"#).await;
-    assert_eq!(failed.0, StatusCode::SERVICE_UNAVAILABLE);
+    let failed = send_expiry(&app, "t-3", r#"{"before":"fail"}"#).await;
+    assert_eq!(
+        failed,
+        (StatusCode::SERVICE_UNAVAILABLE, None),
+        "a released key has no record to tell the expiry of"
+    );
     assert!(states(&store).await.is_empty(), "the key was released");
     assert_eq!(bank.calls.load(Ordering::SeqCst), 0);
     // The same key, now with a request that goes through, executes.
@@ -245,6 +276,12 @@ async fn reject_policy_answers_409_while_the_first_attempt_runs() {
     let (status, _, text) = send(&app, "t-7", body).await;
     assert_eq!(status, StatusCode::CONFLICT, "{text}");
     assert!(text.contains("request-in-flight"), "{text}");
+    let (status, expires) = send_expiry(&app, "t-7", body).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(
+        expires.is_some(),
+        "409 request-in-flight carries the owner's expiry"
+    );
     bank.release(1);
     assert_eq!(first.await.unwrap().0, StatusCode::CREATED);
     assert_eq!(bank.calls.load(Ordering::SeqCst), 1);

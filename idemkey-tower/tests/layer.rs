@@ -278,8 +278,64 @@ async fn rejects_mismatched_body_with_422_naming_the_part() {
         .collect();
     assert!(differs.contains(&"body"), "{problem}");
     assert!(!differs.contains(&"query"), "{problem}");
+    assert_eq!(problem["pointer"], "/amount", "{problem}");
     assert!(!other.replayed());
+    assert_eq!(
+        other.header(EXPIRES_HEADER),
+        first.header(EXPIRES_HEADER),
+        "the 422 tells the stored record's expiry"
+    );
+    assert!(other.header(EXPIRES_HEADER).is_some());
     assert_eq!(effects(&store).await, 1);
+}
+
+#[tokio::test]
+async fn rejects_reused_key_naming_the_first_differing_member() {
+    let (_dir, store) = setup().await;
+    let app = app(layer(&store).required());
+    let cases = [
+        // (key, first body, retry body, pointer)
+        (
+            "k-amount",
+            r#"{"amount":500,"currency":"EUR"}"#,
+            r#"{"currency":"EUR","amount":600}"#,
+            "/amount",
+        ),
+        (
+            "k-nested",
+            r#"{"items":[{"qty":1},{"qty":1},{"qty":1}]}"#,
+            r#"{"items":[{"qty":1},{"qty":1},{"qty":3}]}"#,
+            "/items/2/qty",
+        ),
+        (
+            "k-added",
+            r#"{"amount":500}"#,
+            r#"{"amount":500,"note":"gift"}"#,
+            "/note",
+        ),
+        (
+            "k-removed",
+            r#"{"amount":500,"meta":{"a":1,"b":2}}"#,
+            r#"{"amount":500,"meta":{"a":1}}"#,
+            "/meta",
+        ),
+    ];
+    for (key, first_body, retry_body, pointer) in cases {
+        let first = send(&app, request(Some(key), first_body)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{key}");
+        let retry = send(&app, request(Some(key), retry_body)).await;
+        let problem = retry.problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+        assert_eq!(problem["pointer"], pointer, "{key}: {problem}");
+        assert_eq!(problem["differs"], json!(["body"]), "{key}: {problem}");
+        let detail = problem["detail"].as_str().unwrap();
+        assert!(
+            detail.contains(&format!("\"{pointer}\"")),
+            "{key}: {detail}"
+        );
+        assert!(retry.header(EXPIRES_HEADER).is_some(), "{key}");
+        assert_eq!(retry.header(EXPIRES_HEADER), first.header(EXPIRES_HEADER));
+    }
+    assert_eq!(effects(&store).await, cases.len() as i64);
 }
 
 #[tokio::test]

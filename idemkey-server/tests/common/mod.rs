@@ -1171,7 +1171,10 @@ pub(crate) async fn contract_key_reuse_and_invalid_keys(backend: Backend) {
     assert_eq!(quoted.status, 201, "{}", quoted.text());
     assert!(quoted.replayed(), "\"k-reuse\" is k-reuse");
     assert_eq!(quoted.body, first.body);
-    for other in [payment(501, "a"), payment(500, "b")] {
+    for (other, pointer) in [
+        (payment(501, "a"), "/amount"),
+        (payment(500, "b"), "/description"),
+    ] {
         let reused = api.pay_ok(TOKEN1, "k-reuse", &other).await;
         reused.assert_problem(422, "key-reused");
         let differs = reused.json()["differs"].clone();
@@ -1180,6 +1183,12 @@ pub(crate) async fn contract_key_reuse_and_invalid_keys(backend: Backend) {
                 .as_array()
                 .is_some_and(|d| d.iter().any(|p| p == "body")),
             "differs: {differs}"
+        );
+        assert_eq!(reused.json()["pointer"], pointer, "{}", reused.text());
+        assert_eq!(
+            reused.header("idempotency-key-expires"),
+            first.header("idempotency-key-expires"),
+            "the 422 tells the record's expiry"
         );
     }
 

@@ -27,7 +27,7 @@ use idemkey_core::{AfterEffect, Progress, Store, after_effect};
 use tower_service::Service;
 use tracing::Instrument;
 
-use super::stored::{Captured, capture_outcome, status_url};
+use super::stored::{Captured, add_expiry, capture_outcome, status_url};
 use super::{Keyed, call, store_unavailable};
 use crate::external::{External, Flags};
 use crate::metrics::Outcome;
@@ -181,10 +181,18 @@ where
         AfterEffect::Indeterminate => Outcome::Indeterminate,
         _ => Outcome::NotStored,
     };
+    // The record stays (completed or indeterminate) when its write went through: then this
+    // attempt's answer carries its expiry too, like every later answer from that record.
+    let kept = (written.is_ok() && decision != AfterEffect::Release).then_some(expires_at);
     let response = match answer {
         // This attempt's answer is the truth for this attempt, stored or not.
-        Answer::Captured(c) => c.into_response(written.is_ok().then_some(expires_at)),
-        Answer::Plain(response) => response,
+        Answer::Captured(c) => c.into_response(kept),
+        Answer::Plain(mut response) => {
+            if let Some(expires_at) = kept {
+                add_expiry(response.headers_mut(), expires_at);
+            }
+            response
+        }
     };
     keyed.finish(outcome, response)
 }

@@ -71,22 +71,31 @@ pub fn stored_headers(headers: &HeaderMap, extra: &[HeaderName]) -> Vec<(String,
 
 /// The answer to a claim this attempt did not win: a replay, 422 `key-reused`, 409
 /// `request-in-flight` (with `Retry-After` from the owner's lease) or 409 `outcome-unknown`,
-/// with the metrics outcome it counts as.
+/// with the metrics outcome it counts as. Each answer given because a record was read carries
+/// that record's `Idempotency-Key-Expires`; an in-flight answer without a record in hand (the
+/// store's lock was not granted in time) carries none.
 pub(super) fn answer_claim(
     outcome: ClaimOutcome,
     key: &IdempotencyKey,
     now: Timestamp,
 ) -> (Outcome, Response) {
-    match outcome {
+    let (outcome, mut response, expires_at) = match outcome {
         ClaimOutcome::Replay {
             response,
             expires_at,
-        } => (Outcome::Replayed, replay(response, expires_at)),
-        ClaimOutcome::Mismatch(m) => (
+        } => return (Outcome::Replayed, replay(response, expires_at)),
+        ClaimOutcome::Mismatch {
+            mismatch,
+            expires_at,
+        } => (
             Outcome::Mismatched,
-            IdempotencyRejection::KeyReused(m).into_response(),
+            IdempotencyRejection::KeyReused(mismatch).into_response(),
+            Some(expires_at),
         ),
-        ClaimOutcome::InFlight { lease_expires_at } => {
+        ClaimOutcome::InFlight {
+            lease_expires_at,
+            expires_at,
+        } => {
             let retry_after = lease_expires_at
                 .map(|t| now.until(t))
                 .filter(|d| !d.is_zero())
@@ -94,20 +103,27 @@ pub(super) fn answer_claim(
             (
                 Outcome::InFlight,
                 IdempotencyRejection::InFlight { retry_after }.into_response(),
+                expires_at,
             )
         }
-        ClaimOutcome::OutcomeUnknown => (
+        ClaimOutcome::OutcomeUnknown { expires_at } => (
             Outcome::Indeterminate,
             IdempotencyRejection::OutcomeUnknown {
                 status_url: status_url(key),
             }
             .into_response(),
+            Some(expires_at),
         ),
         ClaimOutcome::Owned { .. } => (
             Outcome::StoreError,
             IdempotencyRejection::Internal.into_response(),
+            None,
         ),
+    };
+    if let Some(expires_at) = expires_at {
+        add_expiry(response.headers_mut(), expires_at);
     }
+    (outcome, response)
 }
 
 /// A replay of `stored`: its status, headers and body byte for byte, with
@@ -130,7 +146,7 @@ fn replay(stored: StoredResponse, expires_at: Timestamp) -> Response {
 }
 
 /// Adds `Idempotency-Key-Expires: <HTTP date>` to a keyed response.
-fn add_expiry(headers: &mut HeaderMap, expires_at: Timestamp) {
+pub(super) fn add_expiry(headers: &mut HeaderMap, expires_at: Timestamp) {
     let at = expires_at.to_system_time();
     if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(at)) {
         headers.insert(EXPIRES_HEADER, value);
