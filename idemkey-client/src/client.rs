@@ -29,11 +29,30 @@ pub struct IdempotentClient {
 
 impl IdempotentClient {
     /// Wraps `client` with the default [`RetryPolicy`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idemkey_client::IdempotentClient;
+    ///
+    /// let http = reqwest::Client::builder()
+    ///     .connect_timeout(Duration::from_secs(2))
+    ///     .build()?;
+    /// let client = IdempotentClient::new(http);
+    /// # Ok::<(), reqwest::Error>(())
+    /// ```
     pub fn new(client: reqwest::Client) -> Self {
         Self::with_policy(client, RetryPolicy::default())
     }
 
     /// Wraps `client` with `policy`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idemkey_client::{IdempotentClient, RetryPolicy};
+    ///
+    /// let policy = RetryPolicy::new().with_max_attempts(5).with_max_elapsed(Duration::from_secs(20));
+    /// let client = IdempotentClient::with_policy(reqwest::Client::new(), policy);
+    /// ```
     pub fn with_policy(client: reqwest::Client, policy: RetryPolicy) -> Self {
         Self {
             client,
@@ -96,6 +115,23 @@ impl IdempotentClient {
 
     /// Builds `request` and [`execute`](Self::execute)s it with this client (the builder's own
     /// client is not used).
+    ///
+    /// ```no_run
+    /// use idemkey_client::{IdempotentClient, Operation};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let client = IdempotentClient::new(reqwest::Client::new());
+    /// let op = Operation::new(); // before the first attempt: one key for this one payment
+    /// let request = client
+    ///     .inner()
+    ///     .post("http://127.0.0.1:8080/v1/payments")
+    ///     .bearer_auth("tok_acme")
+    ///     .json(&serde_json::json!({"amount": 500, "currency": "EUR", "customer": "c1"}));
+    /// let response = client.send(&op, request).await?;
+    /// let payment: serde_json::Value = response.json()?;
+    /// println!("{} {} (replayed: {})", response.status(), payment["id"], response.is_replayed());
+    /// # Ok(()) }
+    /// ```
     pub async fn send(
         &self,
         op: &Operation,
@@ -106,6 +142,18 @@ impl IdempotentClient {
     }
 
     /// `POST`s `body` as JSON to `url` as the operation `op`.
+    ///
+    /// ```no_run
+    /// use idemkey_client::{Error, IdempotentClient, Operation};
+    ///
+    /// # async fn run() -> Result<(), Error> {
+    /// let client = IdempotentClient::new(reqwest::Client::new());
+    /// let payment = serde_json::json!({"amount": 500, "currency": "EUR", "customer": "c1"});
+    /// let response = client
+    ///     .post_json(&Operation::new(), "http://127.0.0.1:8080/v1/payments", &payment)
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn post_json<T: Serialize + ?Sized>(
         &self,
         op: &Operation,

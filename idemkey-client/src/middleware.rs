@@ -27,6 +27,35 @@ use crate::{Clock, IdempotentResponse, Operation, RetryPolicy, SystemClock, head
 /// up…) is returned as `reqwest_middleware::Error::Middleware`; recover it with
 /// [`Error::from_middleware`](crate::Error::from_middleware). Errors of middleware further
 /// down the chain are passed on untouched, not retried.
+///
+/// ```no_run
+/// use idemkey_client::{Error, IdempotencyInfo, IdempotencyMiddleware, Operation, RetryPolicy};
+///
+/// # async fn run() -> Result<(), reqwest_middleware::Error> {
+/// let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+///     .with(IdempotencyMiddleware::with_policy(RetryPolicy::new().with_max_attempts(5)))
+///     .build();
+/// // A key persisted by the caller goes in as the request's Operation.
+/// let op = Operation::with_key("refund-ord_1042").expect("a valid key");
+/// let sent = client
+///     .post("http://127.0.0.1:8080/v1/payments")
+///     .bearer_auth("tok_acme")
+///     .json(&serde_json::json!({"amount": 500, "currency": "EUR", "customer": "c1"}))
+///     .with_extension(op)
+///     .send()
+///     .await;
+/// match sent {
+///     Ok(response) => {
+///         let info = response.extensions().get::<IdempotencyInfo>().expect("set by the middleware");
+///         println!("{} after {} attempt(s)", response.status(), info.attempts());
+///     }
+///     Err(e) => match Error::from_middleware(&e) {
+///         Some(refused) => eprintln!("not retried: {refused}"),
+///         None => return Err(e),
+///     },
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct IdempotencyMiddleware {
     policy: RetryPolicy,

@@ -38,6 +38,14 @@ struct State {
 
 impl Operation {
     /// A new operation with a fresh random key (a UUID v4).
+    ///
+    /// ```
+    /// use idemkey_client::Operation;
+    ///
+    /// let op = Operation::new();
+    /// assert_eq!(op.key().len(), 36); // a UUID v4
+    /// assert!(op.first_attempt_at().is_none()); // not sent yet
+    /// ```
     pub fn new() -> Self {
         let key = uuid::Uuid::new_v4().to_string();
         Self::from_parts(key, None)
@@ -47,6 +55,20 @@ impl Operation {
     ///
     /// The key must be 1 to 255 characters of visible ASCII without space, `"`, `\` or `,`,
     /// as the contract requires.
+    ///
+    /// A key derived from the caller's own record names one operation across calls; its
+    /// retention clock starts at its first attempt. A caller resuming after a restart uses
+    /// [`resume`](Self::resume) instead, which keeps the first attempt's time.
+    ///
+    /// ```
+    /// use idemkey_client::Operation;
+    ///
+    /// let order_id = "ord_1042";
+    /// let op = Operation::with_key(format!("refund-{order_id}"))?;
+    /// assert_eq!(op.key(), "refund-ord_1042");
+    /// assert!(Operation::with_key("two words").is_err());
+    /// # Ok::<(), idemkey_client::InvalidKey>(())
+    /// ```
     pub fn with_key(key: impl Into<String>) -> Result<Self, InvalidKey> {
         let key = key.into();
         validate(&key)?;
@@ -55,6 +77,25 @@ impl Operation {
 
     /// An operation resumed after a restart: its key and the time of its first attempt, as
     /// persisted by the caller. The configured retention is measured from that time.
+    ///
+    /// ```no_run
+    /// use std::time::SystemTime;
+    /// use idemkey_client::{Error, IdempotentClient, Operation};
+    ///
+    /// # async fn run(client: IdempotentClient, request: reqwest::RequestBuilder) -> Result<(), Box<dyn std::error::Error>> {
+    /// // Before the first attempt: persist the key and the time (here, in memory).
+    /// let op = Operation::new();
+    /// let saved = (op.key().to_owned(), SystemTime::now());
+    ///
+    /// // After a restart: the same key, and retention still measured from the first attempt.
+    /// let op = Operation::resume(saved.0, saved.1)?;
+    /// match client.send(&op, request).await {
+    ///     Ok(response) => println!("{}", response.status()), // replayed if it had completed
+    ///     Err(Error::RetentionHorizon { .. }) => println!("too late to retry safely: look it up"),
+    ///     Err(e) => return Err(e.into()),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn resume(
         key: impl Into<String>,
         first_attempt_at: SystemTime,

@@ -25,6 +25,19 @@ use rand::Rng;
 /// `max_elapsed`. It is never scheduled at or after the key's retention horizon less
 /// `expiry_margin`: the horizon is the last `Idempotency-Key-Expires` the server advertised,
 /// or, before any, the operation's first attempt plus `retention`.
+///
+/// ```
+/// use std::time::Duration;
+/// use idemkey_client::RetryPolicy;
+///
+/// let policy = RetryPolicy::new()
+///     .with_initial_delay(Duration::from_millis(200))
+///     .with_max_delay(Duration::from_secs(2))
+///     .with_max_attempts(6)
+///     .with_max_elapsed(Duration::from_secs(30))
+///     .with_attempt_timeout(Duration::from_secs(5));
+/// assert_eq!(policy.max_attempts(), 6);
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
     initial_delay: Duration,

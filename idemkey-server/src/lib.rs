@@ -24,6 +24,19 @@ pub mod secret;
 mod serve;
 
 pub use self::auth::ApiKeys;
+
+/// The Rust samples of the README and of `docs/`, compiled by `cargo test --doc`: a sample
+/// that no longer compiles fails the tests. (Only under `cfg(doctest)`: the packaged crate
+/// does not need the workspace's files.)
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+#[doc = include_str!("../../docs/contract.md")]
+#[doc = include_str!("../../docs/records.md")]
+#[doc = include_str!("../../docs/fingerprint.md")]
+#[doc = include_str!("../../docs/gateway.md")]
+#[doc = include_str!("../../docs/benchmarks.md")]
+#[doc = include_str!("../../docs/decisions.md")]
+pub struct ReadmeDoctests;
 pub use self::db::{AppDb, Payment};
 pub use self::secret::KeySecrets;
 pub use self::serve::{Database, ServeOptions, connect, open_existing, serve};

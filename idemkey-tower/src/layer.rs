@@ -116,53 +116,130 @@ impl<S> IdempotencyLayer<S> {
     }
 
     /// Requests without a key are refused with 400 (the default).
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// // POST /orders without an Idempotency-Key: 400 `key-missing`, the handler does not run.
+    /// let layer = idempotency.clone().required();
+    /// # }
+    /// ```
     pub fn required(self) -> Self {
         self.requirement(KeyRequirement::Required)
     }
 
     /// Requests without a key run without protection.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// // Keyed requests are protected; requests without a key run as before.
+    /// let layer = idempotency.clone().optional();
+    /// # }
+    /// ```
     pub fn optional(self) -> Self {
         self.requirement(KeyRequirement::Optional)
     }
 
     /// Keys are ignored; the handler still gets its transaction.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// // An unkeyed baseline of the same handler: it still gets its `Tx`.
+    /// let layer = idempotency.clone().off();
+    /// # }
+    /// ```
     pub fn off(self) -> Self {
         self.requirement(KeyRequirement::Off)
     }
 
     /// Sets the key requirement.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use idemkey_tower::KeyRequirement;
+    ///
+    /// let layer = idempotency.clone().requirement(KeyRequirement::Optional);
+    /// # }
+    /// ```
     pub fn requirement(self, requirement: KeyRequirement) -> Self {
         self.with(|c| c.requirement = requirement)
     }
 
     /// What a retry gets while the first attempt runs.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use std::time::Duration;
+    /// use idemkey_tower::InFlightPolicy;
+    ///
+    /// // Hold a retry up to 2 s for the first attempt, then replay its outcome...
+    /// let waits = idempotency.clone().in_flight(InFlightPolicy::Wait(Duration::from_secs(2)));
+    /// // ...or answer 409 `request-in-flight` with Retry-After at once.
+    /// let refuses = idempotency.clone().in_flight(InFlightPolicy::Reject);
+    /// # }
+    /// ```
     pub fn in_flight(self, policy: InFlightPolicy) -> Self {
         self.with(|c| c.in_flight = policy)
     }
 
     /// How long outcomes are kept and replayed.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use std::time::Duration;
+    ///
+    /// // Replay outcomes for a week (the key's horizon, advertised in Idempotency-Key-Expires).
+    /// let layer = idempotency.clone().retention(Duration::from_secs(7 * 24 * 3600));
+    /// # }
+    /// ```
     pub fn retention(self, retention: Duration) -> Self {
         self.with(|c| c.retention = retention)
     }
 
     /// The largest request body accepted on keyed requests (larger: 413, nothing stored).
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// let layer = idempotency.clone().max_request_body(64 * 1024);
+    /// # }
+    /// ```
     pub fn max_request_body(self, bytes: usize) -> Self {
         self.with(|c| c.max_request_body = bytes)
     }
 
     /// The largest response body stored. A larger response cannot be replayed, so its
     /// transaction rolls back and the client gets 500 `response-too-large`.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// let layer = idempotency.clone().max_stored_response(256 * 1024);
+    /// # }
+    /// ```
     pub fn max_stored_response(self, bytes: usize) -> Self {
         self.with(|c| c.max_stored_response = bytes)
     }
 
     /// Stores and replays this response header too (besides `Content-Type`, `Location`,
     /// `ETag`).
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use http::HeaderName;
+    ///
+    /// let layer = idempotency.clone().store_header(HeaderName::from_static("x-order-number"));
+    /// # }
+    /// ```
     pub fn store_header(self, name: HeaderName) -> Self {
         self.with(|c| c.stored_headers.push(name))
     }
 
     /// Only these JSON fields (JSON Pointers) define the operation in the fingerprint.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// // Only these members define the operation: a client timestamp in the body may differ.
+    /// let layer = idempotency.clone().fingerprint_fields(["/amount", "/currency", "/customer"]);
+    /// # }
+    /// ```
     pub fn fingerprint_fields<I: IntoIterator<Item = T>, T: Into<String>>(
         self,
         pointers: I,
@@ -179,11 +256,31 @@ impl<S> IdempotencyLayer<S> {
     /// a reservation holding a lease of this length (renewed while the handler runs), and the
     /// handler takes an [`External`](crate::External) instead of a [`Tx`](crate::Tx), marks
     /// the point of no return before it calls out, and reports an unknown outcome.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use std::time::Duration;
+    ///
+    /// // The handler takes an `External<S>` and calls out to another service.
+    /// let layer = idempotency.clone().external(Duration::from_secs(10));
+    /// # }
+    /// ```
     pub fn external(self, lease: Duration) -> Self {
         self.with(|c| c.external = Some(lease))
     }
 
     /// Counts into `metrics` (share one [`Metrics`] across routes and render it).
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use idemkey_tower::Metrics;
+    ///
+    /// let metrics = Metrics::new();
+    /// let orders = idempotency.clone().metrics(metrics.clone());
+    /// let refunds = idempotency.clone().metrics(metrics.clone());
+    /// print!("{}", metrics.render()); // both routes' counts
+    /// # }
+    /// ```
     pub fn metrics(self, metrics: Metrics) -> Self {
         self.with(|c| c.metrics = metrics)
     }
@@ -207,6 +304,13 @@ impl<S> IdempotencyLayer<S> {
 
     /// Scopes this layer's records by `route` (e.g. `POST /v1/*`, a proxy's rule) instead of
     /// the route axum matched (or, without one, the request's path).
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// // Every path under /v1/ shares one scope of keys, as one proxy rule.
+    /// let layer = idempotency.clone().route("POST /v1/*");
+    /// # }
+    /// ```
     pub fn route(self, route: impl Into<String>) -> Self {
         let route = route.into();
         self.with(|c| c.route = Some(route))
@@ -215,6 +319,22 @@ impl<S> IdempotencyLayer<S> {
     /// External mode: also keep each raw key in its record, sealed by `seal` (given the key
     /// and the record's identity), so a reconciler can ask the other service about it. By
     /// default only the keyed hash is stored.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use std::time::Duration;
+    ///
+    /// /// Stand-in: encrypt the key with a key of your own (e.g. ChaCha20-Poly1305).
+    /// fn encrypt(key: &[u8]) -> Vec<u8> {
+    ///     key.to_vec()
+    /// }
+    ///
+    /// let layer = idempotency
+    ///     .clone()
+    ///     .external(Duration::from_secs(10))
+    ///     .seal_keys(|key, _record| encrypt(key.as_bytes()));
+    /// # }
+    /// ```
     pub fn seal_keys(
         self,
         seal: impl Fn(&str, &RecordId) -> Vec<u8> + Send + Sync + 'static,
@@ -246,6 +366,16 @@ impl<S> IdempotencyLayer<S> {
     }
 
     /// Reads the time from `clock` (claims, expiry, leases) instead of the system clock.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use std::sync::Arc;
+    /// use idemkey_core::SystemClock;
+    ///
+    /// // Tests pass a clock they move by hand; this is the default.
+    /// let layer = idempotency.clone().clock(Arc::new(SystemClock));
+    /// # }
+    /// ```
     pub fn clock(self, clock: Arc<dyn Clock>) -> Self {
         self.with(|c| c.clock = clock)
     }

@@ -44,6 +44,28 @@ pub use idemkey_core::{AfterEffect, AnswerRule};
 /// The authenticated tenant of a request, as a request extension set by the application's
 /// authentication middleware. Keys are scoped by it. Requests without one share the
 /// [`Tenant::DEFAULT`] tenant (single-tenant applications need not set it).
+///
+/// ```
+/// use axum::{extract::Request, middleware::Next, response::{IntoResponse, Response}};
+/// use http::StatusCode;
+/// use idemkey_tower::Tenant;
+///
+/// /// Runs before the idempotency layer (add it with `Router::layer(from_fn(authenticate))`
+/// /// outside the routes' layers): keys are scoped by the tenant it sets.
+/// async fn authenticate(mut request: Request, next: Next) -> Response {
+///     let token = request
+///         .headers()
+///         .get(http::header::AUTHORIZATION)
+///         .and_then(|value| value.to_str().ok());
+///     // Stand-in lookup: map a verified credential to its tenant.
+///     let tenant = match token {
+///         Some("Bearer tok_acme") => "acme",
+///         _ => return StatusCode::UNAUTHORIZED.into_response(),
+///     };
+///     request.extensions_mut().insert(Tenant(tenant.to_owned()));
+///     next.run(request).await
+/// }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Tenant(pub String);
 

@@ -183,6 +183,20 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition of every metric.
+    ///
+    /// ```
+    /// use axum::{Router, routing::get};
+    /// use idemkey_tower::Metrics;
+    ///
+    /// let metrics = Metrics::new(); // also given to each layer with `.metrics(metrics.clone())`
+    /// let app: Router = Router::new().route(
+    ///     "/metrics",
+    ///     get(move || {
+    ///         let metrics = metrics.clone();
+    ///         async move { metrics.render() }
+    ///     }),
+    /// );
+    /// ```
     pub fn render(&self) -> String {
         let mut out = String::new();
         let inner = &self.inner;

@@ -60,6 +60,23 @@ impl From<&Record> for RecordView {
 /// extension, so put it behind the same authentication as the keyed routes. Expired
 /// records are not shown (they no longer protect anything).
 ///
+/// ```no_run
+/// use axum::Router;
+/// use idemkey_core::KeyHasher;
+/// use idemkey_sqlite::SqliteStore;
+/// use idemkey_tower::status_router;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = SqliteStore::connect("sqlite:app.db").await?;
+/// store.migrate().await?;
+/// // The same hasher (the same secret) as the layer's, or no key is found.
+/// let hasher = KeyHasher::new(b"the layer's secret");
+/// let app: Router = Router::new()
+///     // .route(...) the keyed routes
+///     .merge(status_router(store, hasher)); // GET /idempotency/v1/keys/{key}
+/// # Ok(()) }
+/// ```
+///
 /// After a key-secret rotation, use
 /// [`IdempotencyLayer::status_router`](crate::IdempotencyLayer::status_router), which also
 /// finds records made under the previous secret.

@@ -7,7 +7,7 @@
 //! request is written; what becomes of the record afterwards is the layer's one decision
 //! ([`idemkey_core::after_effect`]) under the route's [`AnswerRule`]. A refused connection
 //! releases the key (nothing was sent); a time-out or reset after sending leaves the
-//! operation indeterminate, resolved later by the [reconciler](reconciler) or an operator
+//! operation indeterminate, resolved later by the reconciler (`reconciler.rs`) or an operator
 //! (`idemkey keys resolve`).
 
 use std::net::SocketAddr;
