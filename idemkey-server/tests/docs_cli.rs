@@ -304,6 +304,15 @@ fn run(inv: &Invocation) {
         };
         set_flag(&mut args, "--database-url", url);
     }
+    // A secret file the docs name (`/run/secrets/…`) is made in the temporary directory.
+    for flag in ["--key-secret-file", "--previous-key-secret-file"] {
+        if let Some(path) = flag_value(&args, flag) {
+            let name = Path::new(path).file_name().expect("a secret file name");
+            let file = dir.path().join(name);
+            std::fs::write(&file, format!("{flag} for {}\n", inv.at)).expect("secret file");
+            set_flag(&mut args, flag, file.display().to_string());
+        }
+    }
     let subcommand = args.first().cloned().unwrap_or_default();
     eprintln!("{}: running idemkey {}", inv.at, args.join(" "));
     match subcommand.as_str() {
@@ -322,13 +331,17 @@ fn run(inv: &Invocation) {
                 set_flag(&mut args, "--payments", "20".to_owned());
             }
             if subcommand == "keys" {
-                // What an operator inspects is a database idemkey has used: a migrated one.
-                let mut migrate = vec!["migrate".to_owned()];
-                if let Some(url) = flag_value(&args, "--database-url") {
-                    migrate.extend(["--database-url".to_owned(), url.to_owned()]);
+                // What an operator inspects is a database `idemkey serve` has used, with the
+                // same database and key secret flags as the documented line.
+                let mut serve = vec!["serve".to_owned(), "--listen".to_owned()];
+                serve.push("127.0.0.1:0".to_owned());
+                for flag in ["--database-url", "--key-secret", "--key-secret-file"] {
+                    if let Some(value) = flag_value(&args, flag) {
+                        serve.extend([flag.to_owned(), value.to_owned()]);
+                    }
                 }
-                let (ok, output) = spawn(dir.path(), &migrate, Until::Exit);
-                assert!(ok, "{}: migrating for `keys` failed\n{output}", inv.at);
+                let (listening, output) = spawn(dir.path(), &serve, Until::Listening);
+                assert!(listening, "{}: `idemkey serve` for `keys` failed\n{output}", inv.at);
             }
             let (ok, output) = spawn(dir.path(), &args, Until::Exit);
             assert!(
