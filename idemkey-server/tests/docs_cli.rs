@@ -341,7 +341,11 @@ fn run(inv: &Invocation) {
                     }
                 }
                 let (listening, output) = spawn(dir.path(), &serve, Until::Listening);
-                assert!(listening, "{}: `idemkey serve` for `keys` failed\n{output}", inv.at);
+                assert!(
+                    listening,
+                    "{}: `idemkey serve` for `keys` failed\n{output}",
+                    inv.at
+                );
             }
             let (ok, output) = spawn(dir.path(), &args, Until::Exit);
             assert!(
