@@ -87,6 +87,15 @@ impl<S> IdempotencyLayer<S> {
     /// A layer on `store`, hashing keys with `hasher`: key required, wait up to 5 s for an
     /// attempt in flight, 24 h retention, 1 MiB request bodies, 1 MiB stored responses, the
     /// default [`AnswerRule`], the system clock.
+    ///
+    /// ```
+    /// # use idemkey_core::KeyHasher;
+    /// # use idemkey_tower::IdempotencyLayer;
+    /// # fn f<S>(store: S) -> IdempotencyLayer<S> {
+    /// // The secret hashes the keys: keep it stable, and out of the code and the database.
+    /// IdempotencyLayer::new(store, KeyHasher::new(b"a long random secret"))
+    /// # }
+    /// ```
     pub fn new(store: S, hasher: KeyHasher) -> Self {
         Self {
             store,
@@ -348,12 +357,31 @@ impl<S> IdempotencyLayer<S> {
     /// request as a claim that lost to it would be answered (a replay, 422, 409), and new
     /// records are made under the current secret only. Costs one read per keyed request
     /// while set: drop it once the retention has passed since the rotation.
+    ///
+    /// ```
+    /// # use idemkey_core::KeyHasher;
+    /// # use idemkey_tower::IdempotencyLayer;
+    /// # fn f<S>(store: S) -> IdempotencyLayer<S> {
+    /// IdempotencyLayer::new(store, KeyHasher::new(b"the new secret"))
+    ///     .previous_key_hasher(KeyHasher::new(b"the old secret"))
+    /// # }
+    /// ```
     pub fn previous_key_hasher(self, hasher: KeyHasher) -> Self {
         self.with(|c| c.previous_hasher = Some(hasher))
     }
 
     /// The status resource ([`status_router`](crate::status_router)) for this layer's store
-    /// and secrets, the previous one included.
+    /// and secrets, the previous one included. Mount it behind the same authentication as the
+    /// keyed routes.
+    ///
+    /// ```
+    /// # use axum::Router;
+    /// # use idemkey_core::Store;
+    /// # use idemkey_tower::IdempotencyLayer;
+    /// # fn f<S: Store>(idempotency: IdempotencyLayer<S>) -> Router {
+    /// Router::new().merge(idempotency.status_router()) // GET /idempotency/v1/keys/{key}
+    /// # }
+    /// ```
     pub fn status_router(&self) -> axum::Router
     where
         S: idemkey_core::Store,
