@@ -11,7 +11,10 @@ use std::future::Future;
 use std::ops::DerefMut;
 use std::time::Duration;
 
-use crate::{AuditEntry, EvictionNotices, NewRecord, Record, RecordId, RecordState, StoredResponse, Timestamp};
+use crate::{
+    AuditEntry, EvictionNotices, NewRecord, Record, RecordId, RecordState, StoredResponse,
+    Timestamp,
+};
 
 /// A boxed error kept as the source of a [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

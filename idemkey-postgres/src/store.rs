@@ -2,8 +2,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, EvictionNotice, EvictionNotices, ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store,
-    StoreError, StoredResponse, Timestamp, classify_error,
+    AuditEntry, AuditRow, EvictionNotice, EvictionNotices, ListFilter, Members, NewRecord, Record,
+    RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp, classify_error,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
@@ -492,7 +492,11 @@ impl Store for PgStore {
         rows.into_iter().map(AuditEntry::try_from).collect()
     }
 
-    async fn notify_evicted(&self, conn: &mut PgConnection, id: &RecordId) -> Result<(), StoreError> {
+    async fn notify_evicted(
+        &self,
+        conn: &mut PgConnection,
+        id: &RecordId,
+    ) -> Result<(), StoreError> {
         // Inside a transaction, PostgreSQL delivers the notice when it commits.
         sqlx::query("SELECT pg_notify($1, $2)")
             .bind(EVICTION_CHANNEL)
