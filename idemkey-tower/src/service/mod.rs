@@ -186,6 +186,11 @@ impl<S: Store> Keyed<S> {
         {
             self.cache_completed(id, fingerprint, response, *expires_at);
         }
+        self.answer(outcome)
+    }
+
+    /// The answer a record gives, as [`stored::answer_claim`] makes it.
+    fn answer(&self, outcome: ClaimOutcome) -> Response {
         let (outcome, response) = stored::answer_claim(outcome, &self.key, self.config.clock.now());
         self.finish(outcome, response)
     }
@@ -269,8 +274,9 @@ impl<S: Store> Keyed<S> {
                 self.ticket = cache.ticket();
                 for id in std::iter::once(&claim.id).chain(&previous_id) {
                     if let Some(outcome) = cache.answer(id, &claim.fingerprint, claim.now) {
+                        // Not filled again: an entry's trust is counted from the store read.
                         config.metrics.replay_cache_hit();
-                        return self.answer_existing(outcome, id, &claim.fingerprint);
+                        return self.answer(outcome);
                     }
                 }
             }
