@@ -20,6 +20,7 @@
 //! No I/O happens here; the stores (`idemkey-sqlite`, `idemkey-postgres`) speak SQL.
 
 mod decision;
+mod eviction;
 mod fingerprint;
 mod key;
 pub mod problem;
@@ -35,6 +36,7 @@ pub use self::decision::{
     AfterEffect, AnswerRule, AnswerRuleError, Decision, Mismatch, Progress, REFUSALS, after_effect,
     decide,
 };
+pub use self::eviction::{EvictionNotice, EvictionNotices};
 pub use self::fingerprint::*;
 pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse};

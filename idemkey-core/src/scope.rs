@@ -1,7 +1,7 @@
 //! Scope and keyed hashing: a record's identity is `(tenant, route, key)`.
 
 use hmac::{Hmac, Mac};
-use sha2::Sha256;
+use sha2::{Digest, Sha256};
 
 use crate::IdempotencyKey;
 
@@ -50,6 +50,22 @@ impl RecordId {
     /// A short, log-safe identifier: the first 8 bytes of the key hash, in hex.
     pub fn key_id(&self) -> String {
         Self::key_id_of(&self.key_hash)
+    }
+
+    /// A fixed-size digest of the whole identity,
+    /// `SHA-256("idemkey record v1" ‖ lp(tenant) ‖ key_hash ‖ lp(route))`, `lp` being a
+    /// big-endian `u64` length before the bytes. It names the record in eviction notices
+    /// ([`EvictionNotice`](crate::EvictionNotice)) and keys in-process caches; it reveals no
+    /// more than the key hash does.
+    pub fn digest(&self) -> [u8; 32] {
+        let mut h = Sha256::new();
+        h.update(b"idemkey record v1");
+        h.update((self.tenant.len() as u64).to_be_bytes());
+        h.update(self.tenant.as_bytes());
+        h.update(self.key_hash);
+        h.update((self.route.len() as u64).to_be_bytes());
+        h.update(self.route.as_bytes());
+        h.finalize().into()
     }
 
     /// The [`key_id`](Self::key_id) of a key hash.
@@ -125,6 +141,17 @@ mod tests {
     fn tenant_and_key_boundaries_cannot_be_shifted() {
         let h = KeyHasher::new(b"secret");
         assert_ne!(h.key_hash("ab", &key("c")), h.key_hash("a", &key("bc")));
+    }
+
+    #[test]
+    fn digest_names_the_whole_identity() {
+        let h = KeyHasher::new(b"secret");
+        let a = h.record_id(&Scope::new("t1", "POST", "/p"), &key("k"));
+        let b = h.record_id(&Scope::new("t1", "POST", "/q"), &key("k"));
+        let c = h.record_id(&Scope::new("t2", "POST", "/p"), &key("k"));
+        assert_eq!(a.digest(), a.clone().digest());
+        assert_ne!(a.digest(), b.digest());
+        assert_ne!(a.digest(), c.digest());
     }
 
     #[test]

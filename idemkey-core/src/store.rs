@@ -11,7 +11,10 @@ use std::future::Future;
 use std::ops::DerefMut;
 use std::time::Duration;
 
-use crate::{AuditEntry, NewRecord, Record, RecordId, RecordState, StoredResponse, Timestamp};
+use crate::{
+    AuditEntry, EvictionNotices, NewRecord, Record, RecordId, RecordState, StoredResponse,
+    Timestamp,
+};
 
 /// A boxed error kept as the source of a [`StoreError`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -204,4 +207,24 @@ pub trait Store: Clone + Send + Sync + 'static {
         conn: &mut Self::Connection,
         id: &RecordId,
     ) -> impl Future<Output = Result<Vec<AuditEntry>, StoreError>> + Send;
+
+    /// Announces, to every process that follows [`eviction_notices`](Self::eviction_notices),
+    /// that the record `id` was removed: on a transaction, when it commits. Called by an
+    /// operator's eviction beside [`evict`](Self::evict). The default announces nothing (the
+    /// store has no channel; caches bound their entries' life instead).
+    fn notify_evicted(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (conn, id);
+        async { Ok(()) }
+    }
+
+    /// The evictions other processes announce with [`notify_evicted`](Self::notify_evicted),
+    /// for an in-process cache of completed records to follow. `None` (the default): this
+    /// store announces none, so a cache must not trust an entry for long.
+    fn eviction_notices(&self) -> Option<EvictionNotices> {
+        None
+    }
 }

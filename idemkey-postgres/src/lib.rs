@@ -17,4 +17,4 @@
 
 mod store;
 
-pub use self::store::PgStore;
+pub use self::store::{EVICTION_CHANNEL, PgStore};

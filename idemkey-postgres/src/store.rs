@@ -2,12 +2,12 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store,
-    StoreError, StoredResponse, Timestamp, classify_error,
+    AuditEntry, AuditRow, EvictionNotice, EvictionNotices, ListFilter, Members, NewRecord, Record,
+    RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp, classify_error,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 
 /// An idempotency store in a PostgreSQL database.
@@ -63,6 +63,69 @@ impl PgStore {
     pub async fn migrate(&self) -> Result<(), MigrateError> {
         Self::migrator().run(&self.pool).await
     }
+}
+
+/// The `LISTEN` channel of eviction notices; the payload is the hex of the evicted
+/// record's [`RecordId::digest`].
+pub const EVICTION_CHANNEL: &str = "idemkey_evict";
+
+/// The longest pause between two attempts to (re)connect the eviction listener.
+const MAX_LISTEN_BACKOFF: Duration = Duration::from_secs(5);
+
+/// The eviction listener's state: its own one-connection pool (the listener holds its
+/// connection for good, so it never takes one of the application's), the listener once
+/// connected, and how many connects failed in a row.
+struct Follow {
+    pool: PgPool,
+    listener: Option<PgListener>,
+    failures: u32,
+}
+
+impl Follow {
+    async fn next(mut self) -> (EvictionNotice, Self) {
+        loop {
+            let Some(listener) = self.listener.as_mut() else {
+                if self.failures > 0 {
+                    let pause = Duration::from_millis(100) * 2u32.pow(self.failures.min(6));
+                    tokio::time::sleep(pause.min(MAX_LISTEN_BACKOFF)).await;
+                }
+                match listen(&self.pool).await {
+                    Ok(listener) => {
+                        self.listener = Some(listener);
+                        self.failures = 0;
+                        return (EvictionNotice::Listening, self);
+                    }
+                    Err(_) => {
+                        self.failures += 1;
+                        continue;
+                    }
+                }
+            };
+            match listener.try_recv().await {
+                Ok(Some(notice)) => {
+                    let mut digest = [0u8; 32];
+                    if hex::decode_to_slice(notice.payload(), &mut digest).is_ok() {
+                        return (EvictionNotice::Evicted(digest), self);
+                    }
+                    // Not ours (someone else's payload on the channel): nothing to drop.
+                }
+                // The connection was lost (None) or failed: notices may have been missed.
+                Ok(None) | Err(_) => {
+                    self.listener = None;
+                    self.failures = 1;
+                    return (EvictionNotice::Lost, self);
+                }
+            }
+        }
+    }
+}
+
+async fn listen(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    // A lost connection is reported at once; the next round connects afresh.
+    listener.eager_reconnect(false);
+    listener.listen(EVICTION_CHANNEL).await?;
+    Ok(listener)
 }
 
 /// SQLSTATE 55P03 lock_not_available (lock_timeout), 40P01 deadlock_detected,
@@ -427,5 +490,35 @@ impl Store for PgStore {
         .await
         .map_err(error)?;
         rows.into_iter().map(AuditEntry::try_from).collect()
+    }
+
+    async fn notify_evicted(
+        &self,
+        conn: &mut PgConnection,
+        id: &RecordId,
+    ) -> Result<(), StoreError> {
+        // Inside a transaction, PostgreSQL delivers the notice when it commits.
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(EVICTION_CHANNEL)
+            .bind(hex::encode(id.digest()))
+            .execute(conn)
+            .await
+            .map_err(error)?;
+        Ok(())
+    }
+
+    fn eviction_notices(&self) -> Option<EvictionNotices> {
+        let options = self.pool.connect_options().as_ref().clone();
+        let follow = Follow {
+            pool: PgPoolOptions::new()
+                .max_connections(1)
+                .min_connections(0)
+                .connect_lazy_with(options),
+            listener: None,
+            failures: 0,
+        };
+        Some(Box::pin(futures::stream::unfold(follow, |follow| async {
+            Some(follow.next().await)
+        })))
     }
 }

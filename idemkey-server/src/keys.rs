@@ -224,15 +224,20 @@ pub async fn run<S: AppDb>(
             ..
         } => {
             let key = key(&raw)?;
-            let mut conn = db.acquire().await?;
+            // The delete and its notice commit together: every instance that caches replays
+            // (and follows the store's notices) drops the record, and none hears of a delete
+            // that rolled back.
+            let mut tx = db.begin().await?;
             let mut evicted = None;
             for hasher in hashers(&secrets) {
                 let id = record_id(&hasher, &tenant, &route, &key)?;
-                if db.evict(&mut conn, &id).await? {
+                if db.evict(&mut tx, &id).await? {
+                    db.notify_evicted(&mut tx, &id).await?;
                     evicted = Some(id);
                     break;
                 }
             }
+            db.commit(tx).await?;
             match evicted {
                 Some(id) => writeln!(out, "evicted {} ({})", id.key_id(), id.route)?,
                 None => anyhow::bail!("no record for this key on {}", normalize(&route)),

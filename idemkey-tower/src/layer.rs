@@ -7,6 +7,7 @@ use http::HeaderName;
 use idemkey_core::{AnswerRule, Clock, FingerprintSpec, KeyHasher, RecordId, SystemClock};
 use tower_layer::Layer;
 
+use crate::cache::{self, ReplayCache};
 use crate::{IdempotencyService, InFlightPolicy, KeyRequirement, Metrics};
 
 /// Where the status resource lives; a key's URL is this prefix plus the encoded key.
@@ -34,6 +35,8 @@ pub(crate) struct Config {
     /// External mode: seals the raw key into the record, for a reconciler.
     pub(crate) seal: Option<KeySeal>,
     pub(crate) clock: Arc<dyn Clock>,
+    /// Completed records kept in memory; shared by every layer derived from this one.
+    pub(crate) cache: Option<Arc<ReplayCache>>,
 }
 
 /// Seals a raw key for its record (see [`IdempotencyLayer::seal_keys`]).
@@ -86,7 +89,8 @@ pub struct IdempotencyLayer<S> {
 impl<S> IdempotencyLayer<S> {
     /// A layer on `store`, hashing keys with `hasher`: key required, wait up to 5 s for an
     /// attempt in flight, 24 h retention, 1 MiB request bodies, 1 MiB stored responses, the
-    /// default [`AnswerRule`], the system clock.
+    /// default [`AnswerRule`], the system clock, a replay cache of 10 000 entries / 64 MiB
+    /// (see [`replay_cache`](Self::replay_cache)).
     ///
     /// ```
     /// # use idemkey_core::KeyHasher;
@@ -115,6 +119,10 @@ impl<S> IdempotencyLayer<S> {
                 external: None,
                 seal: None,
                 clock: Arc::new(SystemClock),
+                cache: Some(Arc::new(ReplayCache::new(
+                    cache::DEFAULT_ENTRIES,
+                    cache::DEFAULT_BYTES,
+                ))),
             }),
         }
     }
@@ -391,6 +399,44 @@ impl<S> IdempotencyLayer<S> {
             self.config.hasher.clone(),
             self.config.previous_hasher.clone(),
         )
+    }
+
+    /// Keeps up to `entries` completed records (and at most 64 MiB of them) in memory, and
+    /// answers retries of them without the database: replays and 422 `key-reused`, decided
+    /// by the same rules as from the store. On by default, with 10 000 entries.
+    ///
+    /// An entry lives until its record expires while the store announces evictions
+    /// (PostgreSQL: `idemkey keys evict` notifies every instance); on a store that does not
+    /// (SQLite), at most [`REPLAY_CACHE_UNNOTIFIED_BOUND`](crate::REPLAY_CACHE_UNNOTIFIED_BOUND)
+    /// (5 s) before the store is asked again. The cache is shared by every layer derived
+    /// from this one after this call.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// let layer = idempotency.clone().replay_cache(100_000);
+    /// # }
+    /// ```
+    pub fn replay_cache(self, entries: usize) -> Self {
+        let cache = Arc::new(ReplayCache::new(entries, cache::DEFAULT_BYTES));
+        self.with(|c| c.cache = Some(cache))
+    }
+
+    /// Every retry is answered from the store: no replay cache.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// let layer = idempotency.clone().no_replay_cache();
+    /// # }
+    /// ```
+    pub fn no_replay_cache(self) -> Self {
+        self.with(|c| c.cache = None)
+    }
+
+    /// Told each time the replay cache drops entries on the store's word (an eviction notice,
+    /// or a lost or regained notice channel): its value counts them. `None` without a cache.
+    /// For tests and health checks that wait for an eviction to reach this instance.
+    pub fn replay_cache_changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.config.cache.as_ref().map(|c| c.changes())
     }
 
     /// Reads the time from `clock` (claims, expiry, leases) instead of the system clock.

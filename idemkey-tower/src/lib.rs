@@ -18,6 +18,7 @@
 //! Errors are `application/problem+json` ([`IdempotencyRejection`]). The full contract is
 //! in `docs/contract.md`. See [`IdempotencyLayer`] for an example.
 
+mod cache;
 mod external;
 mod layer;
 mod metrics;
@@ -28,6 +29,7 @@ mod service;
 mod status;
 mod tx;
 
+pub use self::cache::UNNOTIFIED_BOUND as REPLAY_CACHE_UNNOTIFIED_BOUND;
 pub use self::external::External;
 pub use self::layer::{IdempotencyLayer, STATUS_PATH};
 pub use self::metrics::{Metrics, Outcome, Reconciled};

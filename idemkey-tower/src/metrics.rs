@@ -86,6 +86,7 @@ struct Inner {
     marked_indeterminate: AtomicU64,
     owner_write_failures: [AtomicU64; OWNER_WRITES.len()],
     reconciled: [AtomicU64; RECONCILED.len()],
+    replay_cache_hits: AtomicU64,
 }
 
 /// The layer's metrics. Cheap to clone; share one between the layers of an application and
@@ -175,6 +176,17 @@ impl Metrics {
             .iter()
             .position(|(r, _)| *r == result)
             .map_or(0, |i| self.inner.reconciled[i].load(Ordering::Relaxed))
+    }
+
+    /// Counts a keyed request answered from the replay cache, without the store (a replay,
+    /// or a 422 for a different request); it is also counted by its outcome.
+    pub fn replay_cache_hit(&self) {
+        self.inner.replay_cache_hits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many keyed requests the replay cache answered.
+    pub fn replay_cache_hits(&self) -> u64 {
+        self.inner.replay_cache_hits.load(Ordering::Relaxed)
     }
 
     /// How many requests ended in `outcome`.
@@ -280,6 +292,13 @@ impl Metrics {
                 inner.reconciled[i].load(Ordering::Relaxed)
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP idemkey_replay_cache_hits_total Keyed requests answered from the in-process replay cache, without the store (replays and key-reused refusals; also counted in idemkey_requests_total).\n\
+             # TYPE idemkey_replay_cache_hits_total counter\n\
+             idemkey_replay_cache_hits_total {}",
+            inner.replay_cache_hits.load(Ordering::Relaxed)
+        );
         out
     }
 }
@@ -321,5 +340,8 @@ mod tests {
         assert!(text.contains("idemkey_owner_write_failures_total{write=\"release\"} 1\n"));
         assert!(text.contains("idemkey_owner_write_failures_total{write=\"complete\"} 0\n"));
         assert_eq!(m.owner_write_failures(AfterEffect::Release), 1);
+        m.replay_cache_hit();
+        assert!(m.render().contains("idemkey_replay_cache_hits_total 1\n"));
+        assert_eq!(m.replay_cache_hits(), 1);
     }
 }

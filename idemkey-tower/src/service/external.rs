@@ -55,7 +55,7 @@ where
     let reserved = reserve_waiting(&keyed, &mut claim, lease_time).await;
     let (token, expires_at) = match reserved {
         Ok(ClaimOutcome::Owned { token, expires_at }) => (token, expires_at),
-        Ok(other) => return keyed.answer_existing(other),
+        Ok(other) => return keyed.answer_existing(other, &claim.id, &claim.fingerprint),
         Err(protocol::Error::Store(e)) => {
             return keyed.finish(Outcome::StoreError, store_unavailable(&e));
         }
@@ -66,7 +66,9 @@ where
     };
     let lease =
         Lease::new(store, claim.id, token, lease_time).with_clock(keyed.config.clock.clone());
-    let owner = tokio::spawn(own(keyed, inner, req, lease, expires_at).in_current_span());
+    let owner = tokio::spawn(
+        own(keyed, inner, req, lease, claim.fingerprint, expires_at).in_current_span(),
+    );
     match owner.await {
         Ok(response) => response,
         Err(e) => {
@@ -113,6 +115,7 @@ async fn own<S, I>(
     inner: I,
     mut req: Request<Body>,
     lease: Lease<S>,
+    fingerprint: idemkey_core::Fingerprint,
     expires_at: idemkey_core::Timestamp,
 ) -> Response
 where
@@ -175,6 +178,9 @@ where
             tracing::warn!(error = %e, write = %decision, "the owner's last write failed; the record is left to its lease");
             config.metrics.owner_write_failed(decision);
         }
+    }
+    if let (AfterEffect::Complete, Ok(()), Answer::Captured(c)) = (&decision, &written, &answer) {
+        keyed.cache_completed(lease.id(), &fingerprint, &c.stored, expires_at);
     }
     let outcome = match decision {
         AfterEffect::Complete if written.is_ok() => Outcome::Executed,

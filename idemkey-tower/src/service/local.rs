@@ -65,7 +65,7 @@ where
             // Nothing of the caller's was written; committing keeps a possible
             // `indeterminate` mark the claim left.
             let _ = store.commit(tx).await;
-            return keyed.answer_existing(other);
+            return keyed.answer_existing(other, &claim.id, &claim.fingerprint);
         }
     };
     if wait.is_some() {
@@ -107,6 +107,7 @@ where
         // The commit may or may not have happened; a retry replays or runs afresh.
         return keyed.finish(Outcome::StoreError, store_unavailable(&e));
     }
+    keyed.cache_completed(&claim.id, &claim.fingerprint, &captured.stored, expires_at);
     keyed.finish(Outcome::Executed, captured.into_response(Some(expires_at)))
 }
 

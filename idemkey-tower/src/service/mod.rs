@@ -20,7 +20,8 @@ use futures::future::BoxFuture;
 use http::{HeaderValue, Method, Request, header};
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{
-    HEADER_NAME, IdempotencyKey, RequestParts, Scope, Store, StoreError, fingerprint,
+    Fingerprint, HEADER_NAME, IdempotencyKey, RecordId, RequestParts, Scope, Store, StoreError,
+    StoredResponse, Timestamp, fingerprint,
 };
 use tower_service::Service;
 use tracing::Instrument;
@@ -147,6 +148,9 @@ struct Keyed<S> {
     config: Arc<Config>,
     key: IdempotencyKey,
     started: Instant,
+    /// The replay cache's generation before this request read the store: a fill from an
+    /// older read is refused (see `crate::cache`).
+    ticket: u64,
 }
 
 impl<S: Store> Keyed<S> {
@@ -158,6 +162,7 @@ impl<S: Store> Keyed<S> {
             config,
             key,
             started: Instant::now(),
+            ticket: 0,
         }
     }
 
@@ -167,14 +172,46 @@ impl<S: Store> Keyed<S> {
         response.into_response()
     }
 
-    fn answer_existing(&self, outcome: ClaimOutcome) -> Response {
+    /// The answer from the record `id` this attempt did not claim; a replay is cached.
+    fn answer_existing(
+        &self,
+        outcome: ClaimOutcome,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+    ) -> Response {
+        if let ClaimOutcome::Replay {
+            response,
+            expires_at,
+        } = &outcome
+        {
+            self.cache_completed(id, fingerprint, response, *expires_at);
+        }
+        self.answer(outcome)
+    }
+
+    /// The answer a record gives, as [`stored::answer_claim`] makes it.
+    fn answer(&self, outcome: ClaimOutcome) -> Response {
         let (outcome, response) = stored::answer_claim(outcome, &self.key, self.config.clock.now());
         self.finish(outcome, response)
     }
 
+    /// Keeps a completed record in the replay cache (when there is one).
+    fn cache_completed(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) {
+        if let Some(cache) = &self.config.cache {
+            let now = self.config.clock.now();
+            cache.insert(self.ticket, id, fingerprint, response, expires_at, now);
+        }
+    }
+
     /// Tenant → scope → record id, then the body and the fingerprint: the claim, made by
     /// the mode of the route.
-    async fn run<I>(self, inner: I, req: Request<Body>) -> Response
+    async fn run<I>(mut self, inner: I, req: Request<Body>) -> Response
     where
         I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
         I::Future: Send + 'static,
@@ -231,13 +268,27 @@ impl<S: Store> Keyed<S> {
                 retention: config.retention,
                 sealed_key,
             };
+            // A completed record in memory answers as the store would, without the store.
+            if let Some(cache) = &config.cache {
+                cache.follow(&self.layer.store);
+                self.ticket = cache.ticket();
+                for id in std::iter::once(&claim.id).chain(&previous_id) {
+                    if let Some(outcome) = cache.answer(id, &claim.fingerprint, claim.now) {
+                        // Not filled again: an entry's trust is counted from the store read.
+                        config.metrics.replay_cache_hit();
+                        return self.answer(outcome);
+                    }
+                }
+            }
             // Key-secret rotation: a live record under the previous secret answers first.
             if let Some(previous_id) = &previous_id {
                 let store = &self.layer.store;
                 match protocol::lookup_previous(store, previous_id, &claim.fingerprint, claim.now)
                     .await
                 {
-                    Ok(Some(outcome)) => return self.answer_existing(outcome),
+                    Ok(Some(outcome)) => {
+                        return self.answer_existing(outcome, previous_id, &claim.fingerprint);
+                    }
                     Ok(None) => {}
                     Err(protocol::Error::Store(e)) => {
                         return self.finish(Outcome::StoreError, store_unavailable(&e));
