@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use idemkey_core::{
     AuditEntry, AuditRow, ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store,
-    StoreError, StoredResponse, Timestamp, classify_error,
+    StoreError, StoredResponse, Timestamp, classify_error, is_connection_lost,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
@@ -32,6 +32,12 @@ impl PgStore {
 
     /// Connects to `url` (`postgres://…`) with a pool of `max_connections`, each connection
     /// with `lock_timeout` set to [`DEFAULT_LOCK_WAIT`](Self::DEFAULT_LOCK_WAIT).
+    ///
+    /// The pool hands out connections without pinging them first (a round trip per request
+    /// saved). A connection the server has dropped meanwhile shows at its first statement:
+    /// [`begin`](Store::begin) then starts the transaction again on another connection (a
+    /// `BEGIN` has no effect of its own); any other first statement fails as
+    /// [`StoreError::Unavailable`].
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
         let options = PgConnectOptions::from_str(url).map_err(error)?.options([(
             "lock_timeout",
@@ -40,6 +46,7 @@ impl PgStore {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(5))
+            .test_before_acquire(false)
             .connect_with(options)
             .await
             .map_err(error)?;
@@ -85,7 +92,22 @@ impl Store for PgStore {
     type PooledConnection = PoolConnection<Postgres>;
 
     async fn begin(&self) -> Result<Self::Transaction, StoreError> {
-        self.pool.begin().await.map_err(error)
+        // Pooled connections are not pinged before use, so a connection the server dropped
+        // while it sat idle (a restart, a terminated backend, an idle time-out) fails here,
+        // at its `BEGIN`. Nothing of the transaction has run, and a `BEGIN` changes nothing
+        // even if it did reach the server, so starting again on another connection is safe.
+        // The failed connection is closed, not returned; after a restart every idle one is
+        // dead, so the retries are bounded by the pool size (plus one new connection), not
+        // one: the first request drains them rather than each of them failing a request.
+        let attempts = self.pool.options().get_max_connections() + 1;
+        let mut attempt = 1;
+        loop {
+            match self.pool.begin().await {
+                Ok(tx) => return Ok(tx),
+                Err(e) if attempt < attempts && is_connection_lost(&e) => attempt += 1,
+                Err(e) => return Err(error(e)),
+            }
+        }
     }
 
     async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
