@@ -41,5 +41,5 @@ pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredRespons
 pub use self::scope::{KeyHasher, RecordId, Scope};
 #[cfg(feature = "sqlx")]
 pub use self::sqlx_row::{AuditRow, RecordRow, classify_error, is_connection_lost};
-pub use self::store::{BoxError, ListFilter, Store, StoreError};
+pub use self::store::{BoxError, Inserted, ListFilter, Store, StoreError};
 pub use self::time::{Clock, SystemClock, Timestamp};

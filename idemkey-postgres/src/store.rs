@@ -2,13 +2,13 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store,
-    StoreError, StoredResponse, Timestamp, classify_error, is_connection_lost,
+    AuditEntry, AuditRow, Inserted, ListFilter, Members, NewRecord, Record, RecordId, RecordRow,
+    Store, StoreError, StoredResponse, Timestamp, classify_error, is_connection_lost,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Transaction};
+use sqlx::{FromRow, Postgres, Row, Transaction};
 
 /// An idempotency store in a PostgreSQL database.
 #[derive(Debug, Clone)]
@@ -133,15 +133,28 @@ impl Store for PgStore {
         self.pool.acquire().await.map_err(error)
     }
 
-    async fn insert(&self, conn: &mut PgConnection, r: &NewRecord) -> Result<bool, StoreError> {
-        let row: Option<i64> = sqlx::query_scalar(
-            "INSERT INTO idemkey_records
-                 (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
-                  lease_expires_at, created_at, updated_at, expires_at, sealed_key,
-                  fingerprint_members)
-             VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11)
-             ON CONFLICT (tenant, key_hash, route) DO NOTHING
-             RETURNING token",
+    async fn insert(&self, conn: &mut PgConnection, r: &NewRecord) -> Result<Inserted, StoreError> {
+        // One statement for the claim and, when the key is taken, the record. Every part of
+        // it runs on the statement's one snapshot: the join sees a row committed before the
+        // statement began, never the row `ins` inserted, nor one committed while the insert
+        // waited on it (an owner finishing); then no record comes back and the caller reads
+        // it with a statement of its own. `NOT EXISTS` keeps a row deleted after the
+        // snapshot from being returned beside a successful insert.
+        let row = sqlx::query(
+            "WITH ins AS (
+                 INSERT INTO idemkey_records
+                        (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
+                         lease_expires_at, created_at, updated_at, expires_at, sealed_key,
+                         fingerprint_members)
+                 VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11)
+                 ON CONFLICT (tenant, key_hash, route) DO NOTHING
+                 RETURNING token
+             )
+             SELECT EXISTS (SELECT 1 FROM ins) AS inserted, r.*
+               FROM (VALUES (1)) AS one (n)
+               LEFT JOIN idemkey_records AS r
+                 ON r.tenant = $1 AND r.key_hash = $2 AND r.route = $3
+                AND NOT EXISTS (SELECT 1 FROM ins)",
         )
         .bind(&r.id.tenant)
         .bind(&r.id.key_hash[..])
@@ -154,10 +167,21 @@ impl Store for PgStore {
         .bind(r.expires_at.as_millis())
         .bind(r.sealed_key.as_deref())
         .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
-        .fetch_optional(conn)
+        .fetch_one(conn)
         .await
         .map_err(error)?;
-        Ok(row.is_some())
+        if row.try_get::<bool, _>("inserted").map_err(error)? {
+            return Ok(Inserted::Owned);
+        }
+        if row
+            .try_get::<Option<String>, _>("tenant")
+            .map_err(error)?
+            .is_none()
+        {
+            return Ok(Inserted::Conflict);
+        }
+        let existing = RecordRow::from_row(&row).map_err(error)?;
+        Ok(Inserted::Existing(record(existing)?))
     }
 
     async fn fetch(
