@@ -171,7 +171,7 @@ async fn claim_on<S: Store>(
         // committed before it, which the same statement returns.
         let existing = match store.insert(conn, record).await {
             Ok(Inserted::Owned) => return Ok(owned(1)),
-            Ok(Inserted::Existing(existing)) => Some(existing),
+            Ok(Inserted::Existing(existing)) => Some(*existing),
             // Lost to a record the insert could not see (committed while it waited on it):
             // read what the owner left.
             Ok(Inserted::Conflict) => match store.fetch(conn, &record.id).await {

@@ -42,7 +42,7 @@ pub enum Inserted {
     Owned,
     /// The identity was taken; this is its record as the insert saw it (committed before
     /// the statement began), read by the same statement where the dialect allows.
-    Existing(Record),
+    Existing(Box<Record>),
     /// The identity was taken, but the insert saw no committed row for it: it was committed
     /// while the insert waited on it (PostgreSQL), or deleted since. Read it with
     /// [`Store::fetch`].

@@ -181,7 +181,7 @@ impl Store for PgStore {
             return Ok(Inserted::Conflict);
         }
         let existing = RecordRow::from_row(&row).map_err(error)?;
-        Ok(Inserted::Existing(record(existing)?))
+        Ok(Inserted::Existing(Box::new(record(existing)?)))
     }
 
     async fn fetch(

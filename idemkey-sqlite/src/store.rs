@@ -147,7 +147,7 @@ impl Store for SqliteStore {
             return Ok(Inserted::Owned);
         }
         Ok(match self.fetch(conn, &r.id).await? {
-            Some(existing) => Inserted::Existing(existing),
+            Some(existing) => Inserted::Existing(Box::new(existing)),
             None => Inserted::Conflict,
         })
     }

@@ -214,7 +214,7 @@ pub async fn claim_on_completed_key_returns_the_record<H: Harness>(h: H) {
     };
     let mut tx = store.begin().await.expect("begin");
     let found = store.insert(&mut tx, &new).await.expect("insert");
-    assert_eq!(found, Inserted::Existing(stored.clone()));
+    assert_eq!(found, Inserted::Existing(Box::new(stored.clone())));
     let outcome = protocol::claim(store, &mut tx, &claim_at(&id, 1, now))
         .await
         .expect("claim");
