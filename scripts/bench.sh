@@ -2,8 +2,9 @@
 # Reproduces docs/benchmarks.md: builds idemkey in release mode, then for SQLite and for a
 # throwaway PostgreSQL (fsync on, default settings) starts `idemkey serve` and runs
 # `idemkey bench` in fresh mode (against the unkeyed baseline route, in the same run) and
-# replay mode (against the fresh phase of the same run). Loopback only; bounded by
-# --requests and --duration.
+# replay mode (against the fresh phase of the same run), with the server's CPU per request
+# and, for PostgreSQL, the database's (the postmaster and its backends). Loopback only;
+# bounded by --requests and --duration.
 #
 #   scripts/bench.sh [REQUESTS] [CONCURRENCY]
 set -euo pipefail
@@ -42,17 +43,21 @@ serve() { # $1 = database URL; prints the PID, waits until it listens
   SERVER_URL="http://127.0.0.1:$port"
 }
 
-run_bench() { # $1 = label
+run_bench() { # $1 = label, then extra `idemkey bench` arguments (--database-pid PID)
+  local label=$1; shift
   for mode in fresh replay; do
     "$BIN" bench --url "$SERVER_URL" --token tok_bench --mode "$mode" \
       --requests "$REQUESTS" --concurrency "$CONCURRENCY" --duration 120s \
-      --server-pid "$SERVER_PID" --json >"$OUT/$1-$mode.json"
-    echo "== $1 $mode"
-    python3 - "$OUT/$1-$mode.json" <<'PY'
+      --server-pid "$SERVER_PID" "$@" --json >"$OUT/$label-$mode.json"
+    echo "== $label $mode"
+    python3 - "$OUT/$label-$mode.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
+def us(v):
+    return "-" if v is None else f"{v:.1f} µs"
 for p in r["phases"]:
-    print(f'  {p["name"]:<9} {p["requests_per_second"]:>9.1f} req/s  p50 {p["p50_ms"]:.2f} ms  p99 {p["p99_ms"]:.2f} ms  max {p["max_ms"]:.2f} ms  statuses {p["statuses"]}')
+    print(f'  {p["name"]:<9} {p["requests_per_second"]:>9.1f} req/s  p50 {p["p50_ms"]:.2f} ms  p99 {p["p99_ms"]:.2f} ms  max {p["max_ms"]:.2f} ms'
+          f'  cpu/req server {us(p.get("server_cpu_us_per_request"))} database {us(p.get("database_cpu_us_per_request"))}  statuses {p["statuses"]}')
 print(f'  ratio {r["ratio"]:.3f}  duplicates {r["effects"]["duplicates"]}  server peak {r["server_peak_rss_kib"]/1024:.1f} MiB')
 PY
   done
@@ -74,5 +79,7 @@ PGPORT=$(free_port)
 $AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -l "$WORK/pg.log" -w \
   -o "-p $PGPORT -c listen_addresses=127.0.0.1 -c unix_socket_directories=$WORK -c max_connections=200" start >/dev/null
 serve "postgres://postgres@127.0.0.1:$PGPORT/postgres"
-run_bench postgres
+# The postmaster's PID is the first line of postmaster.pid; its children are the backends.
+PG_PID=$(head -1 "$PGDATA_DIR/postmaster.pid")
+run_bench postgres --database-pid "$PG_PID"
 echo "JSON reports in $OUT"

@@ -42,6 +42,6 @@ pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse};
 pub use self::scope::{KeyHasher, RecordId, Scope};
 #[cfg(feature = "sqlx")]
-pub use self::sqlx_row::{AuditRow, RecordRow, classify_error};
-pub use self::store::{BoxError, ListFilter, Store, StoreError};
+pub use self::sqlx_row::{AuditRow, RecordRow, classify_error, is_connection_lost};
+pub use self::store::{BoxError, Inserted, ListFilter, Store, StoreError};
 pub use self::time::{Clock, SystemClock, Timestamp};

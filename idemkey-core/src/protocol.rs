@@ -3,8 +3,9 @@
 //! **Local mode** ([`claim`], [`complete`]): the claim is one `INSERT … ON CONFLICT DO
 //! NOTHING` in a transaction the caller owns; the caller writes its effect on the same
 //! transaction, then [`complete`] stores the response and the caller commits. A loser learns
-//! it lost from the insert that inserted nothing, reads the record, and lets [`decide`] say
-//! what to answer.
+//! it lost from the insert that inserted nothing, which also returns the record when the
+//! store can read it in the same statement (else the loser reads it), and lets [`decide`]
+//! say what to answer.
 //!
 //! **External mode** ([`reserve`] and [`Lease`]): the claim commits at once with a lease and
 //! a fencing token; every later write carries the token and is refused when it is stale.
@@ -13,8 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{
-    AuditEntry, Clock, Decision, Fingerprint, Mismatch, NewRecord, Record, RecordId, RecordState,
-    Store, StoreError, StoredResponse, SystemClock, Timestamp, decide,
+    AuditEntry, Clock, Decision, Fingerprint, Inserted, Mismatch, NewRecord, Record, RecordId,
+    RecordState, Store, StoreError, StoredResponse, SystemClock, Timestamp, decide,
 };
 
 /// How many times the claim inserts again after the record it lost to vanished (released,
@@ -166,16 +167,18 @@ async fn claim_on<S: Store>(
         expires_at: record.expires_at,
     };
     for _ in 0..MAX_ROUNDS {
-        // The claim. Fresh keys end here, with one statement.
-        match store.insert(conn, record).await {
-            Ok(true) => return Ok(owned(1)),
-            Ok(false) => {}
-            Err(StoreError::Busy(_)) => return Ok(in_flight()),
-            Err(e) => return Err(e.into()),
-        }
-        // Lost: somebody holds (or held) the key. Read what they left.
-        let existing = match store.fetch(conn, &record.id).await {
-            Ok(existing) => existing,
+        // The claim. Fresh keys end here, with one statement; so do replays of records
+        // committed before it, which the same statement returns.
+        let existing = match store.insert(conn, record).await {
+            Ok(Inserted::Owned) => return Ok(owned(1)),
+            Ok(Inserted::Existing(existing)) => Some(*existing),
+            // Lost to a record the insert could not see (committed while it waited on it):
+            // read what the owner left.
+            Ok(Inserted::Conflict) => match store.fetch(conn, &record.id).await {
+                Ok(existing) => existing,
+                Err(StoreError::Busy(_)) => return Ok(in_flight()),
+                Err(e) => return Err(e.into()),
+            },
             Err(StoreError::Busy(_)) => return Ok(in_flight()),
             Err(e) => return Err(e.into()),
         };

@@ -121,11 +121,7 @@ pub fn classify_error(error: sqlx::Error, is_busy: impl Fn(&str) -> bool) -> Sto
         E::Database(db) => {
             if db.code().is_some_and(|c| is_busy(&c)) {
                 StoreError::Busy(Box::new(E::Database(db)))
-            } else if db
-                .code()
-                .is_some_and(|c| c.starts_with("08") || c == "57P01")
-            {
-                // SQLSTATE class 08: connection exception; 57P01: admin shutdown.
+            } else if db.code().is_some_and(|c| is_connection_sqlstate(&c)) {
                 StoreError::Unavailable(Box::new(E::Database(db)))
             } else {
                 StoreError::Database(Box::new(E::Database(db)))
@@ -139,4 +135,23 @@ pub fn classify_error(error: sqlx::Error, is_busy: impl Fn(&str) -> bool) -> Sto
         | E::Protocol(_) => StoreError::Unavailable(Box::new(error)),
         other => StoreError::Database(Box::new(other) as BoxError),
     }
+}
+
+/// Whether `error` says the connection itself is gone (the socket failed, or the server
+/// ended the session: SQLSTATE class 08, or 57P01 admin shutdown), as opposed to a refused
+/// statement, a pool time-out or a closed pool. Classified by kind and code, never by
+/// message. A store may retry a statement that has no effect of its own (`BEGIN`) on
+/// another connection after such an error.
+pub fn is_connection_lost(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| is_connection_sqlstate(&c)),
+        _ => false,
+    }
+}
+
+/// SQLSTATE class 08: connection exception; 57P01: admin shutdown (the backend was
+/// terminated).
+fn is_connection_sqlstate(code: &str) -> bool {
+    code.starts_with("08") || code == "57P01"
 }

@@ -2,7 +2,8 @@
 //!
 //! A store holds only SQL and row mapping. Every decision about a record is made by
 //! [`decide`](crate::decide) and carried out by the protocol in [`crate::protocol`]; each
-//! primitive here is one statement.
+//! primitive here is one statement (the claim's [`Store::insert`] may be two on a store
+//! that cannot read the existing row in the inserting statement).
 //!
 //! Writes that follow a claim carry the owner's fencing token and are refused (they return
 //! `false`) when the record no longer carries it.
@@ -35,6 +36,20 @@ pub enum StoreError {
     /// Any other database error.
     #[error("idempotency store error")]
     Database(#[source] BoxError),
+}
+
+/// What the claim's insert ([`Store::insert`]) found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Inserted {
+    /// The row was inserted: the caller owns the key, with token 1.
+    Owned,
+    /// The identity was taken; this is its record as the insert saw it (committed before
+    /// the statement began), read by the same statement where the dialect allows.
+    Existing(Box<Record>),
+    /// The identity was taken, but the insert saw no committed row for it: it was committed
+    /// while the insert waited on it (PostgreSQL), or deleted since. Read it with
+    /// [`Store::fetch`].
+    Conflict,
 }
 
 /// Filters for [`Store::list`].
@@ -92,12 +107,16 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Takes a connection from the pool (autocommit).
     fn acquire(&self) -> impl Future<Output = Result<Self::PooledConnection, StoreError>> + Send;
 
-    /// The claim: inserts `record` unless the identity exists. `true`: the caller owns it.
+    /// The claim: inserts `record` unless the identity exists; when it exists, returns the
+    /// record committed before the claim began if the store can see it
+    /// ([`Inserted::Existing`]), so a replay needs no second read. A store that can tell
+    /// only that the identity was taken answers [`Inserted::Conflict`] and the protocol
+    /// reads it with [`fetch`](Self::fetch).
     fn insert(
         &self,
         conn: &mut Self::Connection,
         record: &NewRecord,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Inserted, StoreError>> + Send;
 
     /// Reads one record.
     fn fetch(

@@ -2,13 +2,14 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, EvictionNotice, EvictionNotices, ListFilter, Members, NewRecord, Record,
-    RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp, classify_error,
+    AuditEntry, AuditRow, EvictionNotice, EvictionNotices, Inserted, ListFilter, Members,
+    NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
+    classify_error, is_connection_lost,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Transaction};
+use sqlx::{FromRow, Postgres, Row, Transaction};
 
 /// An idempotency store in a PostgreSQL database.
 #[derive(Debug, Clone)]
@@ -32,6 +33,12 @@ impl PgStore {
 
     /// Connects to `url` (`postgres://…`) with a pool of `max_connections`, each connection
     /// with `lock_timeout` set to [`DEFAULT_LOCK_WAIT`](Self::DEFAULT_LOCK_WAIT).
+    ///
+    /// The pool hands out connections without pinging them first (a round trip per request
+    /// saved). A connection the server has dropped meanwhile shows at its first statement:
+    /// [`begin`](Store::begin) then starts the transaction again on another connection (a
+    /// `BEGIN` has no effect of its own); any other first statement fails as
+    /// [`StoreError::Unavailable`].
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
         let options = PgConnectOptions::from_str(url).map_err(error)?.options([(
             "lock_timeout",
@@ -40,6 +47,7 @@ impl PgStore {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(5))
+            .test_before_acquire(false)
             .connect_with(options)
             .await
             .map_err(error)?;
@@ -148,7 +156,22 @@ impl Store for PgStore {
     type PooledConnection = PoolConnection<Postgres>;
 
     async fn begin(&self) -> Result<Self::Transaction, StoreError> {
-        self.pool.begin().await.map_err(error)
+        // Pooled connections are not pinged before use, so a connection the server dropped
+        // while it sat idle (a restart, a terminated backend, an idle time-out) fails here,
+        // at its `BEGIN`. Nothing of the transaction has run, and a `BEGIN` changes nothing
+        // even if it did reach the server, so starting again on another connection is safe.
+        // The failed connection is closed, not returned; after a restart every idle one is
+        // dead, so the retries are bounded by the pool size (plus one new connection), not
+        // one: the first request drains them rather than each of them failing a request.
+        let attempts = self.pool.options().get_max_connections() + 1;
+        let mut attempt = 1;
+        loop {
+            match self.pool.begin().await {
+                Ok(tx) => return Ok(tx),
+                Err(e) if attempt < attempts && is_connection_lost(&e) => attempt += 1,
+                Err(e) => return Err(error(e)),
+            }
+        }
     }
 
     async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
@@ -174,15 +197,28 @@ impl Store for PgStore {
         self.pool.acquire().await.map_err(error)
     }
 
-    async fn insert(&self, conn: &mut PgConnection, r: &NewRecord) -> Result<bool, StoreError> {
-        let row: Option<i64> = sqlx::query_scalar(
-            "INSERT INTO idemkey_records
-                 (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
-                  lease_expires_at, created_at, updated_at, expires_at, sealed_key,
-                  fingerprint_members)
-             VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11)
-             ON CONFLICT (tenant, key_hash, route) DO NOTHING
-             RETURNING token",
+    async fn insert(&self, conn: &mut PgConnection, r: &NewRecord) -> Result<Inserted, StoreError> {
+        // One statement for the claim and, when the key is taken, the record. Every part of
+        // it runs on the statement's one snapshot: the join sees a row committed before the
+        // statement began, never the row `ins` inserted, nor one committed while the insert
+        // waited on it (an owner finishing); then no record comes back and the caller reads
+        // it with a statement of its own. `NOT EXISTS` keeps a row deleted after the
+        // snapshot from being returned beside a successful insert.
+        let row = sqlx::query(
+            "WITH ins AS (
+                 INSERT INTO idemkey_records
+                        (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
+                         lease_expires_at, created_at, updated_at, expires_at, sealed_key,
+                         fingerprint_members)
+                 VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11)
+                 ON CONFLICT (tenant, key_hash, route) DO NOTHING
+                 RETURNING token
+             )
+             SELECT EXISTS (SELECT 1 FROM ins) AS inserted, r.*
+               FROM (VALUES (1)) AS one (n)
+               LEFT JOIN idemkey_records AS r
+                 ON r.tenant = $1 AND r.key_hash = $2 AND r.route = $3
+                AND NOT EXISTS (SELECT 1 FROM ins)",
         )
         .bind(&r.id.tenant)
         .bind(&r.id.key_hash[..])
@@ -195,10 +231,21 @@ impl Store for PgStore {
         .bind(r.expires_at.as_millis())
         .bind(r.sealed_key.as_deref())
         .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
-        .fetch_optional(conn)
+        .fetch_one(conn)
         .await
         .map_err(error)?;
-        Ok(row.is_some())
+        if row.try_get::<bool, _>("inserted").map_err(error)? {
+            return Ok(Inserted::Owned);
+        }
+        if row
+            .try_get::<Option<String>, _>("tenant")
+            .map_err(error)?
+            .is_none()
+        {
+            return Ok(Inserted::Conflict);
+        }
+        let existing = RecordRow::from_row(&row).map_err(error)?;
+        Ok(Inserted::Existing(Box::new(record(existing)?)))
     }
 
     async fn fetch(

@@ -55,8 +55,12 @@ pub struct BenchOptions {
     pub race_width: usize,
     /// Share of replays in `mixed`.
     pub replay_ratio: f64,
-    /// A server process to report the peak memory of (Linux `VmHWM`).
+    /// A server process to report the peak memory (Linux `VmHWM`) and the CPU time per
+    /// request of.
     pub server_pid: Option<u32>,
+    /// A database server to report the CPU time per request of: the process and its
+    /// children (PostgreSQL's postmaster and its backends), from `/proc`.
+    pub database_pid: Option<u32>,
     /// Print JSON instead of a table.
     pub json: bool,
 }
@@ -82,6 +86,12 @@ pub struct Phase {
     statuses: BTreeMap<u16, u64>,
     transport_errors: u64,
     replayed: u64,
+    /// CPU time (user + system) the server process spent in this phase, per request, in µs;
+    /// `null` without `--server-pid`.
+    server_cpu_us_per_request: Option<f64>,
+    /// CPU time the database (the process given by `--database-pid` and its children) spent
+    /// in this phase, per request, in µs; `null` without `--database-pid`.
+    database_cpu_us_per_request: Option<f64>,
     #[serde(skip)]
     created_keys: Vec<String>,
 }
@@ -160,6 +170,8 @@ impl Load {
                 .progress_chars("=> "),
         );
         bar.set_message(name.to_owned());
+        let server_cpu = self.options.server_pid.and_then(process_cpu_ticks);
+        let database_cpu = self.options.database_pid.and_then(process_tree_cpu_ticks);
         let started = Instant::now();
         let deadline = started + self.options.duration;
         let workers: Vec<_> = (0..self.options.concurrency.max(1))
@@ -212,6 +224,9 @@ impl Load {
             worker.await.context("a load worker failed")?;
         }
         let seconds = started.elapsed().as_secs_f64();
+        let server_cpu = server_cpu.zip(self.options.server_pid.and_then(process_cpu_ticks));
+        let database_cpu =
+            database_cpu.zip(self.options.database_pid.and_then(process_tree_cpu_ticks));
         bar.finish_and_clear();
         let results = results.lock().await;
         let mut hist = Histogram::<u64>::new_with_bounds(1, 120_000_000, 3)?;
@@ -235,6 +250,10 @@ impl Load {
         }
         let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
         let requests = results.len() as u64;
+        let per_request = |(before, after): (u64, u64)| {
+            let ticks = after.saturating_sub(before) as f64;
+            ticks * 1e6 / clock_ticks_per_second() as f64 / requests.max(1) as f64
+        };
         Ok(Phase {
             name: name.to_owned(),
             requests,
@@ -247,6 +266,8 @@ impl Load {
             statuses,
             transport_errors,
             replayed,
+            server_cpu_us_per_request: server_cpu.map(per_request),
+            database_cpu_us_per_request: database_cpu.map(per_request),
             created_keys,
         })
     }
@@ -398,6 +419,62 @@ fn peak_rss_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
+/// Clock ticks per second, the unit of the CPU times in `/proc/PID/stat`.
+fn clock_ticks_per_second() -> u64 {
+    rustix::param::clock_ticks_per_second().max(1)
+}
+
+/// The fields of `/proc/PID/stat` after the command name (which may hold spaces and
+/// parentheses, so the line is split after its last `)`): field 3 (`state`) comes first.
+fn stat_fields(stat: &str) -> Option<Vec<&str>> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some(rest.split_whitespace().collect())
+}
+
+/// Field `n` (1-based, as `proc(5)` numbers them) of a `/proc/PID/stat` line, as a number.
+fn stat_field(fields: &[&str], n: usize) -> Option<u64> {
+    fields.get(n.checked_sub(3)?)?.parse().ok()
+}
+
+/// User + system CPU time of a process so far, in clock ticks (fields 14 and 15).
+fn process_cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields = stat_fields(&stat)?;
+    Some(stat_field(&fields, 14)? + stat_field(&fields, 15)?)
+}
+
+/// CPU time of a process and of its children so far, in clock ticks: its own user + system
+/// time, the time of the children it has waited for (fields 16 and 17: a backend that
+/// exited during a phase still counts), and that of every live child (field 4, the parent,
+/// is `pid`). For PostgreSQL, `pid` is the postmaster and its children are the backends.
+fn process_tree_cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields = stat_fields(&stat)?;
+    let mut total = (14..=17)
+        .map(|n| stat_field(&fields, n))
+        .sum::<Option<u64>>()?;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Some(child) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // A process may exit between the listing and the read: it is skipped.
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        let Some(fields) = stat_fields(&stat) else {
+            continue;
+        };
+        if stat_field(&fields, 4) == Some(u64::from(pid)) {
+            total += stat_field(&fields, 14).unwrap_or(0) + stat_field(&fields, 15).unwrap_or(0);
+        }
+    }
+    Some(total)
+}
+
 impl Report {
     /// Whether the run found an operation executed twice.
     pub fn found_duplicates(&self) -> bool {
@@ -410,9 +487,19 @@ impl Report {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:<9} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}  statuses",
-            "phase", "requests", "req/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "replayed"
+            "{:<9} {:>8} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11}  statuses",
+            "phase",
+            "requests",
+            "req/s",
+            "p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "max ms",
+            "replayed",
+            "srv µs/req",
+            "db µs/req"
         );
+        let cpu = |us: Option<f64>| us.map_or_else(|| "-".to_owned(), |us| format!("{us:.1}"));
         for p in &self.phases {
             let statuses: Vec<String> = p
                 .statuses
@@ -424,7 +511,7 @@ impl Report {
                 .collect();
             let _ = writeln!(
                 out,
-                "{:<9} {:>8} {:>10.1} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9}  {}",
+                "{:<9} {:>8} {:>10.1} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9} {:>11} {:>11}  {}",
                 p.name,
                 p.requests,
                 p.requests_per_second,
@@ -433,6 +520,8 @@ impl Report {
                 p.p99_ms,
                 p.max_ms,
                 p.replayed,
+                cpu(p.server_cpu_us_per_request),
+                cpu(p.database_cpu_us_per_request),
                 statuses.join(" ")
             );
         }
@@ -452,5 +541,31 @@ impl Report {
             let _ = writeln!(out, "server peak memory: {:.1} MiB", kib as f64 / 1024.0);
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_cpu_fields_after_a_command_name_with_spaces_and_parentheses() {
+        let stat = "4242 (post gres: (x) idle) S 4200 4200 4200 0 -1 4194560 100 0 0 0 \
+                    31 7 5 3 20 0 1 0 100 0 0";
+        let fields = stat_fields(stat).expect("fields");
+        assert_eq!(stat_field(&fields, 3), None, "state is not a number");
+        assert_eq!(stat_field(&fields, 4), Some(4200), "ppid");
+        assert_eq!(stat_field(&fields, 14), Some(31), "utime");
+        assert_eq!(stat_field(&fields, 15), Some(7), "stime");
+        assert_eq!(stat_field(&fields, 17), Some(3), "cstime");
+    }
+
+    #[test]
+    fn this_process_has_spent_cpu() {
+        let pid = std::process::id();
+        let own = process_cpu_ticks(pid).expect("own stat");
+        let tree = process_tree_cpu_ticks(pid).expect("own tree");
+        assert!(tree >= own);
+        assert!(clock_ticks_per_second() > 0);
     }
 }

@@ -92,9 +92,13 @@ pub struct BenchArgs {
     /// Where effects are counted (GET, JSON `total`); "" to skip the read-back.
     #[arg(long, default_value = "/v1/payments?limit=1")]
     pub effects_path: String,
-    /// Report this server process's peak memory (Linux).
+    /// Report this server process's peak memory and CPU time per request (Linux).
     #[arg(long)]
     pub server_pid: Option<u32>,
+    /// Report the CPU time per request of this database process and its children, e.g.
+    /// PostgreSQL's postmaster (Linux).
+    #[arg(long)]
+    pub database_pid: Option<u32>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,

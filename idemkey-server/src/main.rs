@@ -99,6 +99,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 race_width: args.race_width,
                 replay_ratio: args.replay_ratio,
                 server_pid: args.server_pid,
+                database_pid: args.database_pid,
                 json,
             })
             .await?;

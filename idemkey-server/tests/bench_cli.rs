@@ -53,24 +53,39 @@ async fn bench_modes_report_ratios_and_find_no_duplicates() {
     assert_eq!(race["effects"]["expected"], 20);
     assert_eq!(race["effects"]["duplicates"], 0, "{race}");
 
+    // The server is a child of this test process: as `--database-pid`, this process
+    // stands for a postmaster whose children are the backends.
+    let parent = std::process::id().to_string();
     let fresh = bench(
         server.base(),
         &[
             "--mode",
             "fresh",
             "--requests",
-            "50",
+            "200",
             "--concurrency",
             "4",
             "--server-pid",
             &pid,
+            "--database-pid",
+            &parent,
         ],
     )
     .await;
-    assert_eq!(phase(&fresh, "baseline")["statuses"]["201"], 50);
+    assert_eq!(phase(&fresh, "baseline")["statuses"]["201"], 200);
     assert_eq!(phase(&fresh, "fresh")["replayed"], 0);
     assert!(fresh["ratio"].as_f64().is_some_and(|r| r > 0.0), "{fresh}");
-    assert_eq!(fresh["effects"]["expected"], 100, "50 unkeyed + 50 keyed");
+    for name in ["baseline", "fresh"] {
+        for field in ["server_cpu_us_per_request", "database_cpu_us_per_request"] {
+            assert!(
+                phase(&fresh, name)[field]
+                    .as_f64()
+                    .is_some_and(|us| us > 0.0),
+                "{name} {field}: {fresh}"
+            );
+        }
+    }
+    assert_eq!(fresh["effects"]["expected"], 400, "200 unkeyed + 200 keyed");
     assert_eq!(fresh["effects"]["duplicates"], 0);
     assert!(
         fresh["server_peak_rss_kib"]
@@ -84,6 +99,10 @@ async fn bench_modes_report_ratios_and_find_no_duplicates() {
     )
     .await;
     assert_eq!(phase(&replay, "replay")["replayed"], 50, "{replay}");
+    assert!(
+        phase(&replay, "replay")["server_cpu_us_per_request"].is_null(),
+        "not measured without --server-pid: {replay}"
+    );
     assert_eq!(replay["effects"]["duplicates"], 0);
 
     let mixed = bench(

@@ -33,6 +33,7 @@ const VARIABLES: &[(&str, &str)] = &[
     ("KEY", "5b1c0d2e-docs-cli"),
     ("URL", "http://127.0.0.1:8080"),
     ("PID", "1"),
+    ("PG_PID", "1"),
 ];
 
 /// One command line from the docs.

@@ -2,8 +2,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store,
-    StoreError, StoredResponse, Timestamp, classify_error,
+    AuditEntry, AuditRow, Inserted, ListFilter, Members, NewRecord, Record, RecordId, RecordRow,
+    Store, StoreError, StoredResponse, Timestamp, classify_error,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
@@ -111,7 +111,15 @@ impl Store for SqliteStore {
         self.pool.acquire().await.map_err(error)
     }
 
-    async fn insert(&self, conn: &mut SqliteConnection, r: &NewRecord) -> Result<bool, StoreError> {
+    async fn insert(
+        &self,
+        conn: &mut SqliteConnection,
+        r: &NewRecord,
+    ) -> Result<Inserted, StoreError> {
+        // Two statements. In the claim's `BEGIN IMMEDIATE` transaction this connection holds
+        // the only write lock, so the row the insert conflicted with is committed and the
+        // read finds it. On an autocommit connection (external mode) it may be gone by the
+        // read: then `Conflict`, and the protocol reads again.
         let row: Option<i64> = sqlx::query_scalar(
             "INSERT INTO idemkey_records
                  (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
@@ -132,10 +140,16 @@ impl Store for SqliteStore {
         .bind(r.expires_at.as_millis())
         .bind(r.sealed_key.as_deref())
         .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
-        .fetch_optional(conn)
+        .fetch_optional(&mut *conn)
         .await
         .map_err(error)?;
-        Ok(row.is_some())
+        if row.is_some() {
+            return Ok(Inserted::Owned);
+        }
+        Ok(match self.fetch(conn, &r.id).await? {
+            Some(existing) => Inserted::Existing(Box::new(existing)),
+            None => Inserted::Conflict,
+        })
     }
 
     async fn fetch(

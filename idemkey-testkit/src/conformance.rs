@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease, Resolution};
 use idemkey_core::{
-    Fingerprint, FingerprintParts, FingerprintSpec, IdempotencyKey, KeyHasher, ListFilter,
-    RecordId, RecordState, RequestParts, Scope, Store, StoredResponse, Timestamp,
+    Fingerprint, FingerprintParts, FingerprintSpec, IdempotencyKey, Inserted, KeyHasher,
+    ListFilter, NewRecord, RecordId, RecordState, RequestParts, Scope, Store, StoredResponse,
+    Timestamp,
 };
 use tokio::sync::Barrier;
 
@@ -189,6 +190,51 @@ pub async fn claims_fresh_key_then_replays<H: Harness>(h: H) {
     assert_eq!(h.count_effects().await, 1);
     let record = fetch(&h, &id).await.expect("record exists");
     assert_eq!(record.state, RecordState::Completed);
+}
+
+/// A claim on a key completed earlier gets the record from the claim's insert itself (on
+/// PostgreSQL that is one statement: no second read) and replays it, in a transaction and
+/// in external mode alike; nothing is written.
+pub async fn claim_on_completed_key_returns_the_record<H: Harness>(h: H) {
+    let store = h.store();
+    let id = id("t1", "/v1/payments", "k-done");
+    let now = Timestamp::now();
+    run_once(&h, &claim_at(&id, 1, now), "k-done", "{\"id\":1}").await;
+    let stored = fetch(&h, &id).await.expect("record");
+    assert_eq!(stored.state, RecordState::Completed);
+
+    let new = NewRecord {
+        id: id.clone(),
+        fingerprint: fp(1),
+        state: RecordState::Executing,
+        lease_expires_at: None,
+        now,
+        expires_at: now.plus(RETENTION),
+        sealed_key: None,
+    };
+    let mut tx = store.begin().await.expect("begin");
+    let found = store.insert(&mut tx, &new).await.expect("insert");
+    assert_eq!(found, Inserted::Existing(Box::new(stored.clone())));
+    let outcome = protocol::claim(store, &mut tx, &claim_at(&id, 1, now))
+        .await
+        .expect("claim");
+    let replay = ClaimOutcome::Replay {
+        response: response("{\"id\":1}"),
+        expires_at: now.plus(RETENTION),
+    };
+    assert_eq!(outcome, replay);
+    store.commit(tx).await.expect("commit");
+
+    let reserved = protocol::reserve(store, &claim_at(&id, 1, now), HOUR)
+        .await
+        .expect("reserve");
+    assert_eq!(reserved, replay);
+    assert_eq!(
+        fetch(&h, &id).await,
+        Some(stored),
+        "the record is unchanged"
+    );
+    assert_eq!(h.count_effects().await, 1);
 }
 
 /// The same key with another request is refused, naming the part that differs.
@@ -822,6 +868,7 @@ macro_rules! conformance_tests {
     ($harness:expr) => {
         $crate::conformance_tests!(@each $harness;
             claims_fresh_key_then_replays,
+            claim_on_completed_key_returns_the_record,
             rejects_mismatched_fingerprint,
             member_digests_round_trip,
             one_of_64_concurrent_claims_owns_the_key,
