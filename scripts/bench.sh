@@ -7,6 +7,10 @@
 # bounded by --requests and --duration.
 #
 #   scripts/bench.sh [REQUESTS] [CONCURRENCY]
+#
+# BEFORE=path/to/an/older/idemkey also runs that build's server in the same run (each on its
+# own database, loaded by this build's `idemkey bench`), labelled `<store>-before`, so a
+# change is measured against what it replaced on the same machine minutes apart.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${1:-5000}
@@ -29,10 +33,10 @@ trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
-serve() { # $1 = database URL; prints the PID, waits until it listens
+serve() { # $1 = database URL, $2 = the binary (default: this build); waits until it listens
   local port; port=$(free_port)
-  "$BIN" serve --listen "127.0.0.1:$port" --database-url "$1" --api-key bench=tok_bench \
-    --max-connections 64 >"$WORK/serve-$port.log" 2>&1 &
+  "${2:-$BIN}" serve --listen "127.0.0.1:$port" --database-url "$1" --api-key bench=tok_bench \
+    --key-secret bench-secret --max-connections 64 >"$WORK/serve-$port.log" 2>&1 &
   local pid=$!
   PIDS+=("$pid")
   for _ in $(seq 100); do
@@ -64,6 +68,11 @@ PY
 }
 
 # SQLite
+if [ -n "${BEFORE:-}" ]; then
+  serve "sqlite:$WORK/before.db" "$BEFORE"
+  run_bench sqlite-before
+  kill "$SERVER_PID"
+fi
 serve "sqlite:$WORK/bench.db"
 run_bench sqlite
 kill "$SERVER_PID"
@@ -78,8 +87,14 @@ $AS_PG "$PGBIN/initdb" -D "$PGDATA_DIR" -A trust -U postgres -E UTF8 --no-locale
 PGPORT=$(free_port)
 $AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -l "$WORK/pg.log" -w \
   -o "-p $PGPORT -c listen_addresses=127.0.0.1 -c unix_socket_directories=$WORK -c max_connections=200" start >/dev/null
-serve "postgres://postgres@127.0.0.1:$PGPORT/postgres"
 # The postmaster's PID is the first line of postmaster.pid; its children are the backends.
 PG_PID=$(head -1 "$PGDATA_DIR/postmaster.pid")
+if [ -n "${BEFORE:-}" ]; then
+  "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres before
+  serve "postgres://postgres@127.0.0.1:$PGPORT/before" "$BEFORE"
+  run_bench postgres-before --database-pid "$PG_PID"
+  kill "$SERVER_PID"
+fi
+serve "postgres://postgres@127.0.0.1:$PGPORT/postgres"
 run_bench postgres --database-pid "$PG_PID"
 echo "JSON reports in $OUT"

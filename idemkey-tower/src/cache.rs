@@ -38,7 +38,7 @@ use tokio::sync::watch;
 pub const UNNOTIFIED_BOUND: Duration = Duration::from_secs(5);
 
 /// The default bound on entries.
-pub(crate) const DEFAULT_ENTRIES: usize = 10_000;
+pub(crate) const DEFAULT_ENTRIES: usize = 100_000;
 
 /// The default bound on bytes (bodies, headers and bookkeeping).
 pub(crate) const DEFAULT_BYTES: usize = 64 * 1024 * 1024;

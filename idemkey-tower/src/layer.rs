@@ -89,7 +89,7 @@ pub struct IdempotencyLayer<S> {
 impl<S> IdempotencyLayer<S> {
     /// A layer on `store`, hashing keys with `hasher`: key required, wait up to 5 s for an
     /// attempt in flight, 24 h retention, 1 MiB request bodies, 1 MiB stored responses, the
-    /// default [`AnswerRule`], the system clock, a replay cache of 10 000 entries / 64 MiB
+    /// default [`AnswerRule`], the system clock, a replay cache of 100 000 entries / 64 MiB
     /// (see [`replay_cache`](Self::replay_cache)).
     ///
     /// ```
@@ -403,7 +403,7 @@ impl<S> IdempotencyLayer<S> {
 
     /// Keeps up to `entries` completed records (and at most 64 MiB of them) in memory, and
     /// answers retries of them without the database: replays and 422 `key-reused`, decided
-    /// by the same rules as from the store. On by default, with 10 000 entries.
+    /// by the same rules as from the store. On by default, with 100 000 entries.
     ///
     /// An entry lives until its record expires while the store announces evictions
     /// (PostgreSQL: `idemkey keys evict` notifies every instance); on a store that does not
