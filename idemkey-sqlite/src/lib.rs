@@ -17,4 +17,4 @@
 
 mod store;
 
-pub use self::store::SqliteStore;
+pub use self::store::{EVICTION_POLL, SqliteStore};

@@ -1,9 +1,11 @@
+use std::collections::VecDeque;
 use std::str::FromStr;
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, Inserted, ListFilter, Members, NewRecord, Record, RecordId, RecordRow,
-    Store, StoreError, StoredResponse, Timestamp, classify_error,
+    AuditEntry, AuditRow, EvictionNotice, EvictionNotices, Inserted, ListFilter, Members,
+    NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
+    classify_error,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
@@ -82,6 +84,72 @@ impl SqliteStore {
 /// SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes.
 fn is_busy(code: &str) -> bool {
     code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6))
+}
+
+/// How often a process looks for evictions another process announced (an operator's
+/// `idemkey keys evict`): an evicted answer stops being replayed from memory within about
+/// this long.
+pub const EVICTION_POLL: Duration = Duration::from_millis(500);
+
+/// How long announced evictions are kept for processes to read.
+const EVICTION_KEPT: Duration = Duration::from_secs(24 * 3600);
+
+/// Follows `idemkey_evictions` for [`Store::eviction_notices`]: the newest sequence number
+/// seen, and the notices read but not handed out yet.
+struct Poll {
+    pool: SqlitePool,
+    /// `None` until the table has been read (and after a failed read).
+    last: Option<i64>,
+    pending: VecDeque<[u8; 32]>,
+}
+
+impl Poll {
+    async fn next(mut self) -> (EvictionNotice, Self) {
+        loop {
+            if let Some(digest) = self.pending.pop_front() {
+                return (EvictionNotice::Evicted(digest), self);
+            }
+            let Some(last) = self.last else {
+                let newest = sqlx::query_scalar::<_, i64>(
+                    "SELECT COALESCE(MAX(seq), 0) FROM idemkey_evictions",
+                )
+                .fetch_one(&self.pool)
+                .await;
+                match newest {
+                    Ok(seq) => {
+                        self.last = Some(seq);
+                        return (EvictionNotice::Listening, self);
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(EVICTION_POLL).await;
+                        continue;
+                    }
+                }
+            };
+            tokio::time::sleep(EVICTION_POLL).await;
+            let rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
+                "SELECT seq, record_digest FROM idemkey_evictions WHERE seq > ?1
+                  ORDER BY seq LIMIT 1000",
+            )
+            .bind(last)
+            .fetch_all(&self.pool)
+            .await;
+            match rows {
+                Ok(rows) => {
+                    for (seq, digest) in rows {
+                        self.last = Some(seq);
+                        if let Ok(digest) = <[u8; 32]>::try_from(digest.as_slice()) {
+                            self.pending.push_back(digest);
+                        }
+                    }
+                }
+                Err(_) => {
+                    self.last = None;
+                    return (EvictionNotice::Lost, self);
+                }
+            }
+        }
+    }
 }
 
 fn error(e: sqlx::Error) -> StoreError {
@@ -436,5 +504,37 @@ impl Store for SqliteStore {
         .await
         .map_err(error)?;
         rows.into_iter().map(AuditEntry::try_from).collect()
+    }
+
+    async fn notify_evicted(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &RecordId,
+    ) -> Result<(), StoreError> {
+        // On the eviction's transaction: other processes read it once it commits.
+        let now = Timestamp::now();
+        sqlx::query("DELETE FROM idemkey_evictions WHERE at < ?1")
+            .bind(now.minus(EVICTION_KEPT).as_millis())
+            .execute(&mut *conn)
+            .await
+            .map_err(error)?;
+        sqlx::query("INSERT INTO idemkey_evictions (record_digest, at) VALUES (?1, ?2)")
+            .bind(&id.digest()[..])
+            .bind(now.as_millis())
+            .execute(&mut *conn)
+            .await
+            .map_err(error)?;
+        Ok(())
+    }
+
+    fn eviction_notices(&self) -> Option<EvictionNotices> {
+        let poll = Poll {
+            pool: self.pool.clone(),
+            last: None,
+            pending: VecDeque::new(),
+        };
+        Some(Box::pin(futures::stream::unfold(poll, |poll| async {
+            Some(poll.next().await)
+        })))
     }
 }

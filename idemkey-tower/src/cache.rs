@@ -7,10 +7,10 @@
 //! different fingerprint: the same 422), and it is trusted:
 //!
 //! - until the record expires, while the store's eviction notices flow
-//!   ([`Store::eviction_notices`]: PostgreSQL's `LISTEN`); a notice drops the entry, a lost
-//!   listener connection drops every entry;
-//! - at most [`UNNOTIFIED_BOUND`] otherwise (SQLite, or while the listener is down): then the
-//!   store is asked again.
+//!   ([`Store::eviction_notices`]: PostgreSQL's `LISTEN`, SQLite's poll of
+//!   `idemkey_evictions`); a notice drops the entry, a lost channel drops every entry;
+//! - at most [`UNNOTIFIED_BOUND`] otherwise (before notices flow, while the channel is down,
+//!   or on a store without one): then the store is asked again.
 //!
 //! Bounded in entries and bytes; when full, the oldest entry of a shard goes first.
 //!
@@ -36,6 +36,14 @@ use tokio::sync::watch;
 /// PostgreSQL listener that is not connected): an operator's `idemkey keys evict` stops
 /// replays from memory after at most this long.
 pub const UNNOTIFIED_BOUND: Duration = Duration::from_secs(5);
+
+/// What a request notes before it reads the store, so that its fill can be judged: the
+/// count of invalidations so far, and whether eviction notices were flowing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Ticket {
+    generation: u64,
+    notified: bool,
+}
 
 /// The default bound on entries.
 pub(crate) const DEFAULT_ENTRIES: usize = 100_000;
@@ -146,20 +154,23 @@ impl ReplayCache {
 
     /// Applies one eviction notice.
     pub(crate) fn apply(&self, notice: EvictionNotice) {
-        // The generation moves before anything is removed: a fill that read the store before
-        // this notice is refused, whether it comes before or after the removal.
-        self.generation.fetch_add(1, Ordering::AcqRel);
         match notice {
             EvictionNotice::Evicted(digest) => {
+                // The generation moves before anything is removed: a fill that read the store
+                // before this notice is refused, whether it comes before or after the removal.
+                self.generation.fetch_add(1, Ordering::AcqRel);
                 self.shard(&digest).remove(&digest);
             }
-            EvictionNotice::Listening | EvictionNotice::Lost => {
-                // Anything cached before may have missed a notice.
+            // Notices flow from now on. What was cached before is bounded already (it was
+            // filled on a ticket taken while not notified), so nothing is dropped.
+            EvictionNotice::Listening => self.notified.store(true, Ordering::Release),
+            EvictionNotice::Lost => {
+                // Entries trusted past the bound may miss a notice from now on.
+                self.notified.store(false, Ordering::Release);
+                self.generation.fetch_add(1, Ordering::AcqRel);
                 for shard in self.shards.iter() {
                     shard.lock().unwrap_or_else(|e| e.into_inner()).clear();
                 }
-                self.notified
-                    .store(notice == EvictionNotice::Listening, Ordering::Release);
             }
         }
         self.changed.send_modify(|n| *n += 1);
@@ -171,8 +182,13 @@ impl ReplayCache {
     }
 
     /// The ticket a request takes before it reads the store.
-    pub(crate) fn ticket(&self) -> u64 {
-        self.generation.load(Ordering::Acquire)
+    ///
+    /// (See [`Ticket`].)
+    pub(crate) fn ticket(&self) -> Ticket {
+        Ticket {
+            generation: self.generation.load(Ordering::Acquire),
+            notified: self.notified.load(Ordering::Acquire),
+        }
     }
 
     /// The answer the cached record of `id` gives to a request with `fingerprint` at `now`,
@@ -228,7 +244,7 @@ impl ReplayCache {
     /// entry alone is larger than a shard may hold.
     pub(crate) fn insert(
         &self,
-        ticket: u64,
+        ticket: Ticket,
         id: &RecordId,
         fingerprint: &Fingerprint,
         response: &StoredResponse,
@@ -251,7 +267,8 @@ impl ReplayCache {
         if bytes > self.bytes_per_shard || expires_at <= now {
             return;
         }
-        let trusted_until = if self.notified.load(Ordering::Acquire) {
+        // Trusted past the bound only if notices flowed since before the store was read.
+        let trusted_until = if ticket.notified && self.notified.load(Ordering::Acquire) {
             expires_at
         } else {
             expires_at.min(now.plus(UNNOTIFIED_BOUND))
@@ -279,7 +296,7 @@ impl ReplayCache {
         let mut shard = self.shard(&digest);
         // Checked under the shard's lock: an invalidation moves the generation before it
         // takes this lock, so it either refuses this fill or removes it afterwards.
-        if self.generation.load(Ordering::Acquire) != ticket {
+        if self.generation.load(Ordering::Acquire) != ticket.generation {
             return;
         }
         shard.remove(&digest);

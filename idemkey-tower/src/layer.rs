@@ -406,9 +406,10 @@ impl<S> IdempotencyLayer<S> {
     /// by the same rules as from the store. On by default, with 100 000 entries.
     ///
     /// An entry lives until its record expires while the store announces evictions
-    /// (PostgreSQL: `idemkey keys evict` notifies every instance); on a store that does not
-    /// (SQLite), at most [`REPLAY_CACHE_UNNOTIFIED_BOUND`](crate::REPLAY_CACHE_UNNOTIFIED_BOUND)
-    /// (5 s) before the store is asked again. The cache is shared by every layer derived
+    /// (`idemkey keys evict`: PostgreSQL notifies every instance, SQLite writes a table each
+    /// instance polls); otherwise at most
+    /// [`REPLAY_CACHE_UNNOTIFIED_BOUND`](crate::REPLAY_CACHE_UNNOTIFIED_BOUND) (5 s) before
+    /// the store is asked again. The cache is shared by every layer derived
     /// from this one after this call.
     ///
     /// ```

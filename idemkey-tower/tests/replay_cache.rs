@@ -239,36 +239,48 @@ async fn expired_entry_is_not_replayed() {
     assert_eq!(metrics.replay_cache_hits(), 1);
 }
 
+/// SQLite announces an eviction by another process (`idemkey keys evict` runs in its own)
+/// in a table every serving process polls: the cached answer is dropped and the next
+/// request runs again, with no bound to wait out.
 #[tokio::test]
-async fn without_eviction_notices_the_store_is_asked_again_after_the_bound() {
+async fn an_eviction_by_another_process_reaches_the_cache() {
+    use idemkey_core::{ListFilter, Store};
     let (_dir, store) = setup().await;
-    let clock = ManualClock::new();
     let metrics = Metrics::new();
-    let app = app(layer(&store, &metrics).clock(clock.clone()));
+    let layer = layer(&store, &metrics);
+    let mut changes = layer.replay_cache_changes().expect("a cache");
+    let app = app(layer);
     let first = send(&app, "k1", "{}").await;
-    // Another process (`idemkey keys evict`) deletes the record; SQLite tells nobody.
-    sqlx::query("DELETE FROM idemkey_records")
-        .execute(store.pool())
+    // The first keyed request starts following the store's announcements; they flow once
+    // the cache has read where they stand.
+    tokio::time::timeout(Duration::from_secs(10), changes.changed())
         .await
+        .expect("the cache follows SQLite's evictions")
         .unwrap();
-
-    // Within the bound the cached answer may still be given...
-    clock.advance(REPLAY_CACHE_UNNOTIFIED_BOUND - Duration::from_millis(1));
     let cached = send(&app, "k1", "{}").await;
     assert!(cached.replayed());
-    assert_eq!(cached.body, first.body);
-    // ...and not after it: the store is asked, has no record, and the request runs.
-    clock.advance(Duration::from_millis(1));
+    assert_eq!(metrics.replay_cache_hits(), 1);
+
+    // The operator's eviction, as `idemkey keys evict` makes it: delete and announce.
+    let mut conn = store.acquire().await.unwrap();
+    let id = store.list(&mut conn, &ListFilter::default()).await.unwrap()[0]
+        .id
+        .clone();
+    drop(conn);
+    let mut tx = store.begin().await.unwrap();
+    assert!(store.evict(&mut tx, &id).await.unwrap());
+    store.notify_evicted(&mut tx, &id).await.unwrap();
+    store.commit(tx).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), changes.changed())
+        .await
+        .expect("the eviction reaches the cache")
+        .unwrap();
+
     let again = send(&app, "k1", "{}").await;
     assert_eq!(again.status, StatusCode::CREATED);
-    assert!(
-        !again.replayed(),
-        "hits {} body {:?}",
-        metrics.replay_cache_hits(),
-        again.body
-    );
+    assert!(!again.replayed(), "evicted: runs again");
+    assert_ne!(again.body, first.body);
     assert_eq!(effects(&store).await, 2);
-    assert_eq!(metrics.replay_cache_hits(), 1);
 }
 
 #[tokio::test]

@@ -150,7 +150,7 @@ struct Keyed<S> {
     started: Instant,
     /// The replay cache's generation before this request read the store: a fill from an
     /// older read is refused (see `crate::cache`).
-    ticket: u64,
+    ticket: crate::cache::Ticket,
 }
 
 impl<S: Store> Keyed<S> {
@@ -162,7 +162,7 @@ impl<S: Store> Keyed<S> {
             config,
             key,
             started: Instant::now(),
-            ticket: 0,
+            ticket: crate::cache::Ticket::default(),
         }
     }
 
