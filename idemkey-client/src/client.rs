@@ -61,7 +61,16 @@ impl IdempotentClient {
         }
     }
 
-    /// Reads the time and waits between attempts with `clock` instead of the [`SystemClock`].
+    /// Reads the time and waits between attempts with `clock` instead of the [`SystemClock`]
+    /// (a test's clock, say, that records the waits instead of sleeping).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use idemkey_client::{IdempotentClient, SystemClock};
+    ///
+    /// let client = IdempotentClient::new(reqwest::Client::new()).with_clock(Arc::new(SystemClock));
+    /// # let _ = client;
+    /// ```
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
         self
@@ -83,6 +92,22 @@ impl IdempotentClient {
     /// be bytes, not a stream ([`Error::NotCloneable`]). Executing the same operation again,
     /// after a restart or a returned error, sends the same key again: the server answers with
     /// the stored outcome if there is one.
+    ///
+    /// ```no_run
+    /// # use idemkey_client::{IdempotentClient, Operation};
+    /// # async fn run() -> Result<(), idemkey_client::Error> {
+    /// let client = IdempotentClient::new(reqwest::Client::new());
+    /// let op = Operation::new();
+    /// let request = client
+    ///     .inner()
+    ///     .post("http://127.0.0.1:8080/v1/payments")
+    ///     .body(r#"{"amount":500,"currency":"EUR","customer":"c1"}"#)
+    ///     .build()
+    ///     .expect("a valid request");
+    /// let response = client.execute(&op, request).await?;
+    /// println!("{}", response.status());
+    /// # Ok(()) }
+    /// ```
     pub async fn execute(
         &self,
         op: &Operation,

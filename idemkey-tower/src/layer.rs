@@ -436,6 +436,14 @@ impl<S> IdempotencyLayer<S> {
     /// Told each time the replay cache drops entries on the store's word (an eviction notice,
     /// or a lost or regained notice channel): its value counts them. `None` without a cache.
     /// For tests and health checks that wait for an eviction to reach this instance.
+    ///
+    /// ```no_run
+    /// # async fn run<S: idemkey_core::Store>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// if let Some(mut changes) = idempotency.replay_cache_changes() {
+    ///     changes.changed().await.ok(); // the next eviction (or channel change) applied
+    /// }
+    /// # }
+    /// ```
     pub fn replay_cache_changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         self.config.cache.as_ref().map(|c| c.changes())
     }

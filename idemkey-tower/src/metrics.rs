@@ -104,7 +104,24 @@ fn index(outcome: Outcome) -> usize {
 }
 
 impl Metrics {
-    /// Empty metrics.
+    /// Empty metrics. Share one across the layers of an application, and render it.
+    ///
+    /// ```no_run
+    /// use axum::{Router, routing::get};
+    /// use idemkey_core::KeyHasher;
+    /// use idemkey_sqlite::SqliteStore;
+    /// use idemkey_tower::{IdempotencyLayer, Metrics};
+    ///
+    /// # async fn run(store: SqliteStore) {
+    /// let metrics = Metrics::new();
+    /// let idempotency =
+    ///     IdempotencyLayer::new(store, KeyHasher::new(b"secret")).metrics(metrics.clone());
+    /// let app: Router = Router::new()
+    ///     // .route("/orders", post(create_order).layer(idempotency.clone().required()))
+    ///     .route("/metrics", get(move || async move { metrics.render() }));
+    /// # let _ = idempotency;
+    /// # }
+    /// ```
     pub fn new() -> Self {
         Self::default()
     }

@@ -50,7 +50,22 @@ pub struct PurgeTask {
 
 impl PurgeTask {
     /// Purges `store` every `every` (at least one second apart), counting into `metrics`,
-    /// with `clock`'s time.
+    /// with `clock`'s time. (A layer's [`spawn_purge`](IdempotencyLayer::spawn_purge) fills
+    /// in its own store, metrics and clock.)
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # use std::time::Duration;
+    /// # use idemkey_core::SystemClock;
+    /// # use idemkey_sqlite::SqliteStore;
+    /// # use idemkey_tower::{Metrics, PurgeTask};
+    /// # async fn run(store: SqliteStore) {
+    /// let purge = PurgeTask::spawn(store, Duration::from_secs(60), Metrics::new(), Arc::new(SystemClock));
+    /// let mut stats = purge.stats();
+    /// stats.changed().await.ok(); // the first round, which runs at once
+    /// println!("purged {} expired records", stats.borrow().purged);
+    /// # }
+    /// ```
     pub fn spawn<S: Store>(
         store: S,
         every: Duration,
@@ -100,6 +115,19 @@ impl Drop for PurgeTask {
 impl<S: Store> IdempotencyLayer<S> {
     /// Starts the purge of this layer's store every `every`, counting into this layer's
     /// [`Metrics`] and reading this layer's clock. See [`PurgeTask`].
+    ///
+    /// ```no_run
+    /// # use std::time::Duration;
+    /// # use idemkey_core::KeyHasher;
+    /// # use idemkey_sqlite::SqliteStore;
+    /// # use idemkey_tower::IdempotencyLayer;
+    /// # async fn run(store: SqliteStore) {
+    /// let idempotency = IdempotencyLayer::new(store, KeyHasher::new(b"secret"));
+    /// let purge = idempotency.spawn_purge(Duration::from_secs(60));
+    /// // ... serve the application; dropping `purge` stops it.
+    /// # drop(purge);
+    /// # }
+    /// ```
     pub fn spawn_purge(&self, every: Duration) -> PurgeTask {
         PurgeTask::spawn(
             self.store.clone(),
