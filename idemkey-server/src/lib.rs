@@ -9,7 +9,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::middleware::from_fn_with_state;
 use axum::routing::{get, post};
-use idemkey_tower::{IdempotencyLayer, InFlightPolicy, Metrics};
+use idemkey_tower::{InFlightPolicy, Metrics};
 
 mod auth;
 pub mod bench;
@@ -74,11 +74,8 @@ pub struct AppConfig {
 /// Keys are hashed with the current secret of `secrets`; during a rotation, records made
 /// under the previous one still answer (the layer and the status resource look there too).
 pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &AppConfig) -> Router {
-    let mut idempotency = IdempotencyLayer::new(db.clone(), secrets.hasher());
-    if let Some(previous) = secrets.previous_hasher() {
-        idempotency = idempotency.previous_key_hasher(previous);
-    }
-    let idempotency = idempotency
+    let idempotency = secrets
+        .layer(db.clone())
         .retention(config.retention)
         .in_flight(config.in_flight)
         .metrics(metrics.clone());

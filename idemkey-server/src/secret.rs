@@ -6,6 +6,7 @@ use std::path::Path;
 
 use anyhow::Context;
 use idemkey_core::KeyHasher;
+use idemkey_tower::IdempotencyLayer;
 use rand::RngCore;
 
 use crate::AppDb;
@@ -57,6 +58,16 @@ impl KeySecrets {
     /// The hasher of the previous secret.
     pub fn previous_hasher(&self) -> Option<KeyHasher> {
         self.previous.as_deref().map(KeyHasher::new)
+    }
+
+    /// A layer on `store` that hashes keys with the current secret and, during a rotation,
+    /// still finds records made under the previous one.
+    pub fn layer<S>(&self, store: S) -> IdempotencyLayer<S> {
+        let layer = IdempotencyLayer::new(store, self.hasher());
+        match self.previous_hasher() {
+            Some(previous) => layer.previous_key_hasher(previous),
+            None => layer,
+        }
     }
 }
 

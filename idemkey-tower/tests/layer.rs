@@ -1,8 +1,10 @@
 //! In-process integration tests of the idempotency layer: an axum router whose handler
 //! writes an effect row on the layer's transaction, on a fresh SQLite file per test.
 
+mod support;
+use support::ManualClock;
+
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use axum::Extension;
@@ -12,7 +14,7 @@ use axum::extract::State;
 use axum::response::Response;
 use axum::routing::{get, post};
 use http::{HeaderMap, Request, StatusCode, header};
-use idemkey_core::{Clock, KeyHasher, Timestamp};
+use idemkey_core::{Clock, KeyHasher};
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{
     EXPIRES_HEADER, IdempotencyLayer, Metrics, Outcome, PROBLEM_JSON, PROBLEM_TYPE_PREFIX,
@@ -66,22 +68,6 @@ impl Gate {
             entered: Arc::new(Notify::new()),
             proceed: Arc::new(Semaphore::new(0)),
         }
-    }
-}
-
-/// A clock the test moves by hand.
-#[derive(Debug, Default)]
-struct ManualClock(AtomicI64);
-
-impl ManualClock {
-    fn advance(&self, by: Duration) {
-        self.0.fetch_add(by.as_millis() as i64, Ordering::SeqCst);
-    }
-}
-
-impl Clock for ManualClock {
-    fn now(&self) -> Timestamp {
-        Timestamp(self.0.load(Ordering::SeqCst))
     }
 }
 
@@ -606,7 +592,7 @@ async fn same_key_in_two_tenants_is_two_operations() {
 #[tokio::test]
 async fn expired_key_runs_again() {
     let (_dir, store) = setup().await;
-    let clock = Arc::new(ManualClock(AtomicI64::new(1_800_000_000_000)));
+    let clock = ManualClock::new();
     let retention = Duration::from_secs(3600);
     let app = app(layer(&store)
         .required()
@@ -832,7 +818,7 @@ async fn busy_sqlite_lock_answers_503_store_busy_and_runs_nothing() {
 #[tokio::test]
 async fn spawned_purge_deletes_expired_records() {
     let (_dir, store) = setup().await;
-    let clock = Arc::new(ManualClock(AtomicI64::new(1_800_000_000_000)));
+    let clock = ManualClock::new();
     let retention = Duration::from_secs(3600);
     let metrics = Metrics::new();
     let idempotency = layer(&store)

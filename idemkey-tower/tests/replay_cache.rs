@@ -1,8 +1,9 @@
 //! The replay cache: completed records answered from memory, exactly as from the store, and
 //! never past their expiry or (on a store without eviction notices) past the bound.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+mod support;
+use support::ManualClock;
+
 use std::time::Duration;
 
 use axum::Router;
@@ -10,7 +11,7 @@ use axum::body::{Body, Bytes};
 use axum::response::Response;
 use axum::routing::post;
 use http::{HeaderMap, Request, StatusCode, header};
-use idemkey_core::{Clock, KeyHasher, Timestamp};
+use idemkey_core::KeyHasher;
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{
     EXPIRES_HEADER, IdempotencyLayer, Metrics, Outcome, REPLAY_CACHE_UNNOTIFIED_BOUND,
@@ -32,26 +33,6 @@ async fn setup() -> (TempDir, SqliteStore) {
         .await
         .unwrap();
     (dir, store)
-}
-
-/// A clock the test moves by hand.
-#[derive(Debug)]
-struct ManualClock(AtomicI64);
-
-impl ManualClock {
-    fn new() -> Arc<Self> {
-        Arc::new(Self(AtomicI64::new(1_800_000_000_000)))
-    }
-
-    fn advance(&self, by: Duration) {
-        self.0.fetch_add(by.as_millis() as i64, Ordering::SeqCst);
-    }
-}
-
-impl Clock for ManualClock {
-    fn now(&self) -> Timestamp {
-        Timestamp(self.0.load(Ordering::SeqCst))
-    }
 }
 
 /// Writes one effect row and answers 201 with its id, so a replay is told apart from a

@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::{Method, header};
 use idemkey_core::{AnswerRule, SystemClock};
-use idemkey_tower::{IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
+use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
 
 use crate::cli::KeySecretArgs;
 use crate::problem::ApiError;
@@ -289,10 +289,7 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
     let metrics = Metrics::new();
     let sealer = KeySealer::new(secrets.current());
     let previous_sealer = secrets.previous().map(KeySealer::new);
-    let mut base = IdempotencyLayer::new(db.clone(), secrets.hasher());
-    if let Some(previous) = secrets.previous_hasher() {
-        base = base.previous_key_hasher(previous);
-    }
+    let base = secrets.layer(db.clone());
     let shared = Arc::new(options.clone());
     let keyed = options
         .routes

@@ -257,16 +257,12 @@ impl<S: Store> Keyed<S> {
                 },
                 &config.fingerprint,
             );
-            let sealed_key = match (&config.external, &config.seal) {
-                (Some(_), Some(seal)) => Some((seal.0)(self.key.as_str(), &id)),
-                _ => None,
-            };
-            let claim = Claim {
+            let mut claim = Claim {
                 id,
                 fingerprint,
                 now: config.clock.now(),
                 retention: config.retention,
-                sealed_key,
+                sealed_key: None,
             };
             // A completed record in memory answers as the store would, without the store.
             if let Some(cache) = &config.cache {
@@ -298,6 +294,10 @@ impl<S: Store> Keyed<S> {
                         return self.finish(Outcome::StoreError, IdempotencyRejection::Internal);
                     }
                 }
+            }
+            // Only a request that goes on to claim needs its key sealed (external mode).
+            if let (Some(_), Some(seal)) = (&config.external, &config.seal) {
+                claim.sealed_key = Some((seal.0)(self.key.as_str(), &claim.id));
             }
             let req = Request::from_parts(parts, Body::from(bytes));
             match config.external {
