@@ -1,7 +1,7 @@
 //! `idemkey gateway`: a reverse proxy that puts the idempotency contract in front of any
 //! HTTP service, for effects that cannot share a transaction with the record.
 //!
-//! The gateway is the layer's external mode ([`IdempotencyLayer::external`]) with a proxy
+//! The gateway is the layer's external mode ([`IdempotencyLayer::external`](idemkey_tower::IdempotencyLayer::external)) with a proxy
 //! handler: a keyed request is reserved with a lease, renewed while the upstream works; the
 //! point of no return is marked once a connection to the upstream is open, just before the
 //! request is written; what becomes of the record afterwards is the layer's one decision
