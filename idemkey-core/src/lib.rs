@@ -13,7 +13,8 @@
 //! - [`after_effect`] and [`AnswerRule`]: the one pure function that says what becomes of an
 //!   external-mode record once its owner is done (complete / release / indeterminate);
 //! - [`Store`]: the SQL primitives a backend provides;
-//! - [`protocol`]: the claim protocol on top of them, written once for every store.
+//! - [`protocol`]: the claim protocol on top of them, written once for every store;
+//! - [`outbox`]: the SQL primitives of the transactional outbox ([`outbox::OutboxStore`]).
 //!
 //! - [`Clock`]: where the current time comes from.
 //!
@@ -23,6 +24,7 @@ mod decision;
 mod eviction;
 mod fingerprint;
 mod key;
+pub mod outbox;
 pub mod problem;
 pub mod protocol;
 mod record;
@@ -42,6 +44,8 @@ pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse};
 pub use self::scope::{KeyHasher, RecordId, Scope};
 #[cfg(feature = "sqlx")]
-pub use self::sqlx_row::{AuditRow, RecordRow, classify_error, is_connection_lost};
+pub use self::sqlx_row::{
+    AuditRow, MessageRow, OutboxAuditRow, RecordRow, classify_error, is_connection_lost,
+};
 pub use self::store::{BoxError, Inserted, ListFilter, Store, StoreError};
 pub use self::time::{Clock, SystemClock, Timestamp};

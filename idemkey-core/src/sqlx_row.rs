@@ -3,6 +3,7 @@
 //! Both dialects store the same columns with the same Rust types (`TEXT`, `BLOB`/`BYTEA`,
 //! 64-bit integers), so one `FromRow` type reads a record from either.
 
+use crate::outbox::{Message, MessageState, OutboxAuditEntry};
 use crate::{
     AuditEntry, BoxError, Fingerprint, FingerprintParts, Members, Record, RecordId, RecordState,
     StoreError, StoredResponse, Timestamp,
@@ -110,6 +111,69 @@ impl TryFrom<AuditRow> for AuditEntry {
             action: row.action,
             detail: row.detail,
         })
+    }
+}
+
+/// One row of `idemkey_outbox`, as both stores select it.
+#[derive(Debug, sqlx::FromRow)]
+pub struct MessageRow {
+    seq: i64,
+    id: String,
+    grp: String,
+    kind: String,
+    data: String,
+    created_at: i64,
+    state: String,
+    attempts: i64,
+    next_attempt_at: i64,
+    claimed_by: Option<String>,
+    claimed_until: Option<i64>,
+    last_error: Option<String>,
+    sent_at: Option<i64>,
+}
+
+impl TryFrom<MessageRow> for Message {
+    type Error = StoreError;
+
+    fn try_from(row: MessageRow) -> Result<Self, StoreError> {
+        Ok(Message {
+            seq: row.seq,
+            id: row.id,
+            group: row.grp,
+            kind: row.kind,
+            data: row.data,
+            created_at: Timestamp(row.created_at),
+            state: MessageState::parse(&row.state)
+                .ok_or_else(|| StoreError::Corrupt("unknown state in idemkey_outbox".into()))?,
+            attempts: u32::try_from(row.attempts).unwrap_or(u32::MAX),
+            next_attempt_at: Timestamp(row.next_attempt_at),
+            claimed_by: row.claimed_by,
+            claimed_until: row.claimed_until.map(Timestamp),
+            last_error: row.last_error,
+            sent_at: row.sent_at.map(Timestamp),
+        })
+    }
+}
+
+/// One row of `idemkey_outbox_audit`, as both stores select it.
+#[derive(Debug, sqlx::FromRow)]
+pub struct OutboxAuditRow {
+    message_id: String,
+    at: i64,
+    actor: String,
+    action: String,
+    detail: String,
+}
+
+impl From<OutboxAuditRow> for OutboxAuditEntry {
+    fn from(row: OutboxAuditRow) -> Self {
+        OutboxAuditEntry {
+            message_id: row.message_id,
+            at: Timestamp(row.at),
+            actor: row.actor,
+            action: row.action,
+            detail: row.detail,
+        }
     }
 }
 

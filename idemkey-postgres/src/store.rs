@@ -142,7 +142,7 @@ fn is_busy(code: &str) -> bool {
     matches!(code, "55P03" | "40P01" | "40001")
 }
 
-fn error(e: sqlx::Error) -> StoreError {
+pub(crate) fn error(e: sqlx::Error) -> StoreError {
     classify_error(e, is_busy)
 }
 

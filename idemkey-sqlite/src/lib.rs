@@ -15,6 +15,7 @@
 //! claim of any key waits for it (up to the busy time-out, 5 s by default, then answers
 //! "in flight"). Each claim transaction should therefore be short.
 
+mod outbox;
 mod store;
 
 pub use self::store::{EVICTION_POLL, SqliteStore};

@@ -152,7 +152,7 @@ impl Poll {
     }
 }
 
-fn error(e: sqlx::Error) -> StoreError {
+pub(crate) fn error(e: sqlx::Error) -> StoreError {
     classify_error(e, is_busy)
 }
 

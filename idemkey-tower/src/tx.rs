@@ -14,11 +14,18 @@ use crate::IdempotencyRejection;
 pub(crate) type Slot<S> = Arc<Mutex<Option<<S as Store>::Transaction>>>;
 
 /// The request extension that carries the [`Slot`] to the extractor.
-pub(crate) struct TxSlot<S: Store>(pub(crate) Slot<S>);
+pub(crate) struct TxSlot<S: Store> {
+    pub(crate) slot: Slot<S>,
+    /// What [`Tx::operation_id`] answers.
+    pub(crate) operation: Arc<str>,
+}
 
 impl<S: Store> Clone for TxSlot<S> {
     fn clone(&self) -> Self {
-        Self(self.0.clone())
+        Self {
+            slot: self.slot.clone(),
+            operation: self.operation.clone(),
+        }
     }
 }
 
@@ -48,6 +55,17 @@ impl<S: Store> Clone for TxSlot<S> {
 /// ```
 pub struct Tx<S: Store> {
     guard: OwnedMutexGuard<Option<S::Transaction>>,
+    operation: Arc<str>,
+}
+
+impl<S: Store> Tx<S> {
+    /// Names the operation this transaction belongs to: for a keyed request, the hex of its
+    /// record's [`RecordId::digest`](idemkey_core::RecordId::digest), the same on every
+    /// attempt; without a key, an id of this transaction alone. The outbox orders a
+    /// transaction's messages by it.
+    pub fn operation_id(&self) -> &str {
+        &self.operation
+    }
 }
 
 impl<S: Store> std::fmt::Debug for Tx<S> {
@@ -82,11 +100,10 @@ impl<S: Store, State: Send + Sync> FromRequestParts<State> for Tx<S> {
     type Rejection = IdempotencyRejection;
 
     async fn from_request_parts(parts: &mut Parts, _: &State) -> Result<Self, Self::Rejection> {
-        let slot = parts
+        let TxSlot { slot, operation } = parts
             .extensions
             .get::<TxSlot<S>>()
             .ok_or(IdempotencyRejection::TransactionUnavailable)?
-            .0
             .clone();
         let guard = slot
             .try_lock_owned()
@@ -94,6 +111,6 @@ impl<S: Store, State: Send + Sync> FromRequestParts<State> for Tx<S> {
         if guard.is_none() {
             return Err(IdempotencyRejection::TransactionUnavailable);
         }
-        Ok(Self { guard })
+        Ok(Self { guard, operation })
     }
 }

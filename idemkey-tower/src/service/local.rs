@@ -3,6 +3,7 @@
 use std::convert::Infallible;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -79,7 +80,8 @@ where
     }
     let expires_at = claim.now.plus(config.retention);
 
-    let (response, mut tx) = match run_handler::<S, I>(inner, req, tx).await {
+    let operation = hex::encode(claim.id.digest());
+    let (response, mut tx) = match run_handler::<S, I>(inner, req, tx, operation).await {
         Ok(done) => done,
         Err(rejection) => return keyed.finish(Outcome::NotStored, rejection),
     };
@@ -111,12 +113,25 @@ where
     keyed.finish(Outcome::Executed, captured.into_response(Some(expires_at)))
 }
 
+/// An operation id for a transaction without a record: unique within the process and
+/// unlikely to meet another process's (it only orders the transaction's outbox messages).
+fn unkeyed_operation() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("tx-{}-{started:x}-{n}", std::process::id())
+}
+
 /// Runs the handler with `tx` in its request; returns the response and the transaction
 /// back, or the answer to give when the handler panicked or kept the transaction.
 async fn run_handler<S, I>(
     inner: I,
     mut req: Request<Body>,
     tx: S::Transaction,
+    operation: String,
 ) -> Result<(Response, S::Transaction), IdempotencyRejection>
 where
     S: Store,
@@ -124,7 +139,10 @@ where
     I::Future: Send + 'static,
 {
     let slot: Slot<S> = Arc::new(Mutex::new(Some(tx)));
-    req.extensions_mut().insert(TxSlot::<S>(slot.clone()));
+    req.extensions_mut().insert(TxSlot::<S> {
+        slot: slot.clone(),
+        operation: operation.into(),
+    });
     let response = AssertUnwindSafe(call(inner, req))
         .catch_unwind()
         .await
@@ -153,7 +171,7 @@ where
         Ok(tx) => tx,
         Err(e) => return store_unavailable(&e),
     };
-    let (response, tx) = match run_handler::<S, I>(inner, req, tx).await {
+    let (response, tx) = match run_handler::<S, I>(inner, req, tx, unkeyed_operation()).await {
         Ok(done) => done,
         Err(rejection) => return rejection.into_response(),
     };

@@ -1,0 +1,49 @@
+//! # idemkey-outbox
+//!
+//! idemkey makes a request happen once at the database. This crate carries that guarantee
+//! one boundary further (docs/outbox.md):
+//!
+//! - a handler [`enqueue`]s messages on the same [`Tx`](idemkey_tower::Tx) it writes its
+//!   effect on, so a message is committed with the effect and the idempotency record, or not
+//!   at all, and a replayed request enqueues nothing;
+//! - a [`Relay`] delivers each message at least once to a [`Sink`] ([`WebhookSink`], or
+//!   NATS JetStream), marking it sent only after the sink acknowledged, retrying with
+//!   backoff and jitter, and moving it to `dead` after [`RelayConfig::max_attempts`];
+//! - every delivery of one message carries the same id and the same bytes
+//!   ([`envelope`]), which the receiver deduplicates on.
+//!
+//! ```no_run
+//! use idemkey_outbox::{Outgoing, enqueue};
+//! use idemkey_sqlite::SqliteStore;
+//! use idemkey_tower::Tx;
+//!
+//! async fn create_order(mut tx: Tx<SqliteStore>) -> Result<&'static str, String> {
+//!     sqlx::query("INSERT INTO orders (item) VALUES ('book')")
+//!         .execute(&mut *tx)
+//!         .await
+//!         .map_err(|e| e.to_string())?;
+//!     let message = Outgoing::new("order.created", &serde_json::json!({ "item": "book" }))
+//!         .map_err(|e| e.to_string())?;
+//!     enqueue(&mut tx, message).await.map_err(|e| e.to_string())?;
+//!     Ok("created")
+//! }
+//! ```
+//!
+//! The store primitives are [`OutboxStore`]'s, implemented by `idemkey-sqlite` and
+//! `idemkey-postgres` next to their idempotency SQL.
+
+mod enqueue;
+mod metrics;
+mod relay;
+mod sink;
+mod webhook;
+
+pub use idemkey_core::outbox::{
+    Message, MessageFilter, MessageState, NewMessage, OutboxAuditEntry, OutboxStats, OutboxStore,
+};
+
+pub use self::enqueue::{Outgoing, enqueue, enqueue_on, new_message_id};
+pub use self::metrics::OutboxMetrics;
+pub use self::relay::{Backoff, Relay, RelayConfig, RelayTask, Round};
+pub use self::sink::{DeliveryError, Sink, envelope};
+pub use self::webhook::WebhookSink;
