@@ -34,6 +34,108 @@ pub enum Command {
     Bench(BenchArgs),
     /// Show what idemkey is for: payments through a network that loses responses.
     Demo(DemoArgs),
+    /// Deliver the outbox's messages, as `serve` does with an outbox sink, in a process of
+    /// its own (opens an existing, migrated database).
+    Relay(RelayArgs),
+    /// Inspect and manage outbox messages (opens an existing, migrated database).
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+}
+
+/// Where outbox messages go, and how hard the relay tries (`serve`, `relay`).
+#[derive(Debug, Clone, Args)]
+pub struct OutboxArgs {
+    /// Emit outbox messages (`payment.succeeded`) and deliver each with `POST` to this URL,
+    /// the message id as `Idempotency-Key`.
+    #[arg(long, value_name = "URL", env = "IDEMKEY_OUTBOX_WEBHOOK")]
+    pub outbox_webhook: Option<String>,
+    /// How long one delivery may take before it counts as failed. A relay's claim on the
+    /// messages it delivers lasts three times this: a relay that dies leaves its messages to
+    /// the next one after that.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub outbox_delivery_timeout: Duration,
+    /// Delivery attempts before a message is dead (`idemkey outbox retry` revives it).
+    #[arg(long, value_name = "N", default_value_t = 12, value_parser = clap::value_parser!(u32).range(1..))]
+    pub outbox_max_attempts: u32,
+    /// The longest wait between two attempts (waits double from 1s, with jitter).
+    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = humantime::parse_duration)]
+    pub outbox_max_backoff: Duration,
+    /// How long sent messages are kept before they are deleted.
+    #[arg(long, value_name = "DURATION", default_value = "7days", value_parser = humantime::parse_duration)]
+    pub outbox_keep_sent: Duration,
+}
+
+/// `idemkey relay`.
+#[derive(Debug, Clone, Args)]
+pub struct RelayArgs {
+    /// The database.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Where outbox messages go.
+    #[command(flatten)]
+    pub outbox: OutboxArgs,
+}
+
+/// A message state, as `idemkey outbox list --state` takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum MessageStateArg {
+    /// Waiting to be delivered.
+    Pending,
+    /// Acknowledged by the sink.
+    Sent,
+    /// Every attempt failed.
+    Dead,
+}
+
+/// `idemkey outbox …`.
+#[derive(Debug, Subcommand)]
+pub enum OutboxCommand {
+    /// List messages, newest first.
+    List {
+        /// The database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Only messages in this state.
+        #[arg(long, value_enum)]
+        state: Option<MessageStateArg>,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+        /// JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one message: its state, attempts, last error, the bytes it is delivered as, and
+    /// the operators' actions on it.
+    Show {
+        /// The database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The message id (`msg_…`).
+        id: String,
+    },
+    /// Make a dead message pending again, its attempts reset (audited).
+    Retry {
+        /// The database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Why, for the audit trail.
+        #[arg(long)]
+        note: Option<String>,
+        /// The message id (`msg_…`).
+        id: String,
+    },
+    /// Delete a dead message: it will never be delivered (audited).
+    Drop {
+        /// The database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Why, for the audit trail.
+        #[arg(long)]
+        note: Option<String>,
+        /// The message id (`msg_…`).
+        id: String,
+    },
 }
 
 /// `idemkey demo`.
@@ -185,6 +287,9 @@ pub struct ServeArgs {
     /// How often expired records are purged.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub purge_interval: Duration,
+    /// Where outbox messages go.
+    #[command(flatten)]
+    pub outbox: OutboxArgs,
 }
 
 impl ServeArgs {

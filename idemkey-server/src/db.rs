@@ -4,6 +4,7 @@
 use std::future::Future;
 
 use idemkey_core::Store;
+use idemkey_core::outbox::OutboxStore;
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::SqliteStore;
 use serde::Serialize;
@@ -34,7 +35,7 @@ pub struct Payment {
 }
 
 /// A store that also holds the payments tables.
-pub trait AppDb: Store {
+pub trait AppDb: Store + OutboxStore {
     /// Whether the database is embedded in the server (SQLite), where keeping the key secret
     /// in the database is the default for convenience.
     const EMBEDDED: bool;
@@ -84,7 +85,12 @@ pub trait AppDb: Store {
 }
 
 /// The tables [`AppDb::missing_tables`] looks for.
-const REQUIRED_TABLES: [&str; 3] = ["idemkey_records", "idemkey_audit", "server_settings"];
+const REQUIRED_TABLES: [&str; 4] = [
+    "idemkey_records",
+    "idemkey_audit",
+    "idemkey_outbox",
+    "server_settings",
+];
 
 static SQLITE_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/sqlite");
 static PG_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/postgres");

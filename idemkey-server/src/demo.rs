@@ -112,6 +112,7 @@ async fn start_server<S: AppDb>(db: S) -> anyhow::Result<SocketAddr> {
         simulate_latency: Duration::ZERO,
         retention: Duration::from_secs(24 * 3600),
         in_flight: InFlightPolicy::default(),
+        outbox: None,
     };
     let router = app(db, &secrets, Metrics::new(), &config);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

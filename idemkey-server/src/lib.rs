@@ -9,6 +9,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::middleware::from_fn_with_state;
 use axum::routing::{get, post};
+use idemkey_outbox::OutboxMetrics;
 use idemkey_tower::{InFlightPolicy, Metrics};
 
 mod auth;
@@ -18,6 +19,7 @@ mod db;
 pub mod demo;
 pub mod gateway;
 pub mod keys;
+pub mod outbox;
 mod payments;
 mod problem;
 pub mod secret;
@@ -48,6 +50,8 @@ pub struct AppState<S> {
     pub db: S,
     /// How long the payment handler waits inside its transaction (demos, race tests).
     pub simulate_latency: Duration,
+    /// Whether each succeeded payment enqueues a `payment.succeeded` outbox message.
+    pub emit_messages: bool,
 }
 
 /// How the payments API applies the idempotency contract.
@@ -61,6 +65,9 @@ pub struct AppConfig {
     pub retention: Duration,
     /// What a retry gets while the first attempt runs.
     pub in_flight: InFlightPolicy,
+    /// With an outbox sink: each succeeded payment enqueues a `payment.succeeded` message,
+    /// and `/metrics` shows these counters too.
+    pub outbox: Option<OutboxMetrics>,
 }
 
 /// The payments API:
@@ -82,7 +89,9 @@ pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &App
     let state = AppState {
         db: db.clone(),
         simulate_latency: config.simulate_latency,
+        emit_messages: config.outbox.is_some(),
     };
+    let outbox_metrics = config.outbox.clone();
     let api = Router::new()
         .route(
             "/v1/payments",
@@ -106,11 +115,14 @@ pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &App
         .route(
             "/metrics",
             get(move || {
-                let metrics = metrics.clone();
+                let mut text = metrics.render();
+                if let Some(outbox) = &outbox_metrics {
+                    text.push_str(&outbox.render());
+                }
                 async move {
                     (
                         [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                        metrics.render(),
+                        text,
                     )
                 }
             }),

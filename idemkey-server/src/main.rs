@@ -1,7 +1,7 @@
 //! `idemkey`: parses the command line, wires the parts, reports errors.
 
 use clap::Parser;
-use idemkey_server::cli::{Cli, Command, GatewayArgs, InFlight, KeysCommand};
+use idemkey_server::cli::{Cli, Command, GatewayArgs, InFlight, KeysCommand, OutboxCommand};
 use idemkey_server::gateway::{GatewayOptions, RouteRule, Upstream};
 use idemkey_server::secret::check_before_start;
 use idemkey_server::{ServeOptions, connect, keys, open_existing, serve, with_store};
@@ -53,6 +53,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     InFlight::Reject => InFlightPolicy::Reject,
                 },
                 purge_interval: args.purge_interval,
+                outbox: args.outbox.clone(),
             };
             // Under `reject`, SQLite still waits for its single write lock (the default busy
             // time-out): refusing at once would refuse every concurrent write, any key.
@@ -136,6 +137,23 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 std::process::exit(2);
             }
             Ok(())
+        }
+        Command::Relay(args) => {
+            let url = &args.db.database_url;
+            let db = open_existing(url, args.db.max_connections, DEFAULT_WAIT).await?;
+            with_store!(db, store => idemkey_server::outbox::relay(store, &args.outbox).await)
+        }
+        Command::Outbox(command) => {
+            let db_args = match &command {
+                OutboxCommand::List { db, .. }
+                | OutboxCommand::Show { db, .. }
+                | OutboxCommand::Retry { db, .. }
+                | OutboxCommand::Drop { db, .. } => db.clone(),
+            };
+            let url = db_args.database_url;
+            let db = open_existing(&url, db_args.max_connections, DEFAULT_WAIT).await?;
+            let mut out = std::io::stdout().lock();
+            with_store!(db, store => idemkey_server::outbox::run(store, command, &mut out).await)
         }
         Command::Keys(command) => {
             let db_args = match &command {

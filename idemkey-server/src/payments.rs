@@ -8,6 +8,7 @@ use axum::extract::{Path, Query, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
+use idemkey_outbox::{Outgoing, enqueue};
 use idemkey_tower::{Tenant, Tx};
 use rand::RngCore;
 use serde::Deserialize;
@@ -129,6 +130,18 @@ pub(crate) async fn create_payment<S: AppDb>(
     if let Err(e) = S::insert_payment(&mut tx, &payment).await {
         tracing::error!(error = %e, "writing the payment failed");
         return ApiError::Internal.into_response();
+    }
+    if state.emit_messages {
+        // `data` is the payment exactly as `GET /v1/payments/{id}` answers it.
+        let message = Outgoing::new("payment.succeeded", &payment);
+        let enqueued = match message {
+            Ok(message) => enqueue(&mut tx, message).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = enqueued {
+            tracing::error!(error = %e, "writing the payment's outbox message failed");
+            return ApiError::Internal.into_response();
+        }
     }
     let mut response = (StatusCode::CREATED, Json(&payment)).into_response();
     if let Ok(location) = HeaderValue::from_str(&format!("/v1/payments/{}", payment.id)) {

@@ -9,13 +9,15 @@ use std::time::Duration;
 
 use anyhow::Context;
 use idemkey_core::SystemClock;
+use idemkey_outbox::OutboxMetrics;
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{InFlightPolicy, Metrics, PurgeTask};
 use rand::RngCore;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteSynchronous};
 
-use crate::cli::KeySecretArgs;
+use crate::cli::{KeySecretArgs, OutboxArgs};
+use crate::outbox::{OutboxSink, spawn_relay};
 use crate::secret::{SecretUse, key_secrets, redacted};
 use crate::{ApiKeys, AppConfig, AppDb, app};
 
@@ -131,6 +133,8 @@ pub struct ServeOptions {
     pub in_flight: InFlightPolicy,
     /// How often expired records are purged.
     pub purge_interval: Duration,
+    /// Where outbox messages go; without a sink, payments emit none.
+    pub outbox: OutboxArgs,
 }
 
 fn demo_keys() -> ApiKeys {
@@ -169,11 +173,14 @@ pub async fn serve<S: AppDb>(db: S, options: ServeOptions) -> anyhow::Result<()>
         options.api_keys.clone()
     };
     let metrics = Metrics::new();
+    let sink = OutboxSink::from_args(&options.outbox)?;
+    let outbox_metrics = sink.as_ref().map(|_| OutboxMetrics::new());
     let config = AppConfig {
         api_keys,
         simulate_latency: options.simulate_latency,
         retention: options.retention,
         in_flight: options.in_flight,
+        outbox: outbox_metrics.clone(),
     };
     let router = app(db.clone(), &secrets, metrics.clone(), &config);
     let listener = tokio::net::TcpListener::bind(options.listen)
@@ -181,12 +188,25 @@ pub async fn serve<S: AppDb>(db: S, options: ServeOptions) -> anyhow::Result<()>
         .with_context(|| format!("cannot listen on {}", options.listen))?;
     println!("idemkey listening on http://{}", listener.local_addr()?);
 
+    let relay = match (sink, outbox_metrics) {
+        (Some(sink), Some(counters)) => {
+            println!(
+                "outbox: each succeeded payment emits payment.succeeded, delivered to {}",
+                sink.describe()
+            );
+            Some(spawn_relay(db.clone(), sink, &options.outbox, counters))
+        }
+        _ => None,
+    };
     let purge = PurgeTask::spawn(db, options.purge_interval, metrics, Arc::new(SystemClock));
     axum::serve(listener, router)
         .with_graceful_shutdown(shutdown_signal())
         .await
         .context("server failed")?;
     drop(purge);
+    if let Some(relay) = relay {
+        relay.shutdown().await;
+    }
     println!("idemkey stopped");
     Ok(())
 }

@@ -13,7 +13,7 @@
 //!   a migrated database). A `postgres://` database URL is replaced by a fresh database on
 //!   the test PostgreSQL server; a `sqlite:` one lives in the temporary directory.
 //!
-//! `idemkey --help` and `idemkey keys --help` are compared with `tests/snapshots/`;
+//! `idemkey --help`, `idemkey keys --help` and `idemkey outbox --help` are compared with `tests/snapshots/`;
 //! `UPDATE_SNAPSHOTS=1` rewrites the snapshots instead.
 
 use std::io::{BufRead, BufReader, Read};
@@ -462,6 +462,11 @@ fn help_matches_its_snapshot() {
 #[test]
 fn keys_help_matches_its_snapshot() {
     check_snapshot("idemkey-keys-help.txt", &["keys", "--help"]);
+}
+
+#[test]
+fn outbox_help_matches_its_snapshot() {
+    check_snapshot("idemkey-outbox-help.txt", &["outbox", "--help"]);
 }
 
 /// Compares `idemkey ARGS`'s standard output with `tests/snapshots/NAME`, or rewrites the

@@ -1,0 +1,243 @@
+//! The outbox in the server: the sink named on the command line, the relay `serve` and
+//! `idemkey relay` run, and `idemkey outbox …`, the operator's view of the messages.
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::Context;
+use idemkey_core::Timestamp;
+use idemkey_outbox::{
+    Backoff, DeliveryError, Message, MessageFilter, MessageState, OutboxAuditEntry, OutboxMetrics,
+    Relay, RelayConfig, RelayTask, Sink, WebhookSink, envelope,
+};
+
+use crate::AppDb;
+use crate::cli::{MessageStateArg, OutboxArgs, OutboxCommand};
+
+/// Where messages go.
+#[derive(Debug, Clone)]
+pub enum OutboxSink {
+    /// `POST` to a URL.
+    Webhook(WebhookSink),
+}
+
+impl OutboxSink {
+    /// The sink the arguments name, if any.
+    pub fn from_args(args: &OutboxArgs) -> anyhow::Result<Option<Self>> {
+        match &args.outbox_webhook {
+            Some(url) => Ok(Some(Self::Webhook(
+                WebhookSink::with_timeout(url, args.outbox_delivery_timeout)
+                    .map_err(|e| anyhow::anyhow!("--outbox-webhook: {e}"))?,
+            ))),
+            None => Ok(None),
+        }
+    }
+
+    /// Where messages go, for the start-up line.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Webhook(sink) => format!("webhook POST {}", sink.url()),
+        }
+    }
+}
+
+impl Sink for OutboxSink {
+    async fn deliver(&self, message: &Message) -> Result<(), DeliveryError> {
+        match self {
+            Self::Webhook(sink) => sink.deliver(message).await,
+        }
+    }
+}
+
+/// The relay's configuration from the arguments.
+pub fn relay_config(args: &OutboxArgs) -> RelayConfig {
+    RelayConfig {
+        max_attempts: args.outbox_max_attempts,
+        backoff: Backoff {
+            first: Duration::from_secs(1).min(args.outbox_max_backoff),
+            max: args.outbox_max_backoff,
+        },
+        keep_sent: args.outbox_keep_sent,
+        delivery_timeout: args.outbox_delivery_timeout,
+        claim: args.outbox_delivery_timeout.saturating_mul(3),
+        ..RelayConfig::default()
+    }
+}
+
+/// Starts a relay of `db`'s outbox to `sink`, counting into `metrics`.
+pub fn spawn_relay<S: AppDb>(
+    db: S,
+    sink: OutboxSink,
+    args: &OutboxArgs,
+    metrics: OutboxMetrics,
+) -> RelayTask {
+    Relay::new(db, sink)
+        .config(relay_config(args))
+        .metrics(metrics)
+        .spawn()
+}
+
+/// `idemkey relay`: delivers until SIGTERM or Ctrl-C, then finishes the round in progress.
+pub async fn relay<S: AppDb>(db: S, args: &OutboxArgs) -> anyhow::Result<()> {
+    let sink =
+        OutboxSink::from_args(args)?.context("nowhere to deliver: pass --outbox-webhook URL")?;
+    println!("idemkey relay delivering to {}", sink.describe());
+    let task = spawn_relay(db, sink, args, OutboxMetrics::new());
+    crate::serve::shutdown_signal().await;
+    task.shutdown().await;
+    println!("idemkey relay stopped");
+    Ok(())
+}
+
+fn time(t: Timestamp) -> String {
+    humantime::format_rfc3339_millis(t.to_system_time()).to_string()
+}
+
+fn state(arg: MessageStateArg) -> MessageState {
+    match arg {
+        MessageStateArg::Pending => MessageState::Pending,
+        MessageStateArg::Sent => MessageState::Sent,
+        MessageStateArg::Dead => MessageState::Dead,
+    }
+}
+
+fn json(m: &Message) -> serde_json::Value {
+    serde_json::json!({
+        "id": m.id,
+        "type": m.kind,
+        "state": m.state.as_str(),
+        "attempts": m.attempts,
+        "created_at": time(m.created_at),
+        "next_attempt_at": (m.state == MessageState::Pending).then(|| time(m.next_attempt_at)),
+        "claimed_by": m.claimed_by,
+        "last_error": m.last_error,
+        "sent_at": m.sent_at.map(time),
+        "group": m.group,
+    })
+}
+
+fn audit_json(e: &OutboxAuditEntry) -> serde_json::Value {
+    serde_json::json!({
+        "at": time(e.at),
+        "actor": e.actor,
+        "action": e.action,
+        "detail": e.detail,
+    })
+}
+
+fn actor() -> String {
+    format!(
+        "operator:{}",
+        std::env::var("USER")
+            .ok()
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(|| "unknown".to_owned())
+    )
+}
+
+/// Runs an `idemkey outbox …` command, writing what it has to say to `out`.
+pub async fn run<S: AppDb>(
+    db: S,
+    command: OutboxCommand,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let mut conn = db.acquire().await?;
+    match command {
+        OutboxCommand::List {
+            state: wanted,
+            limit,
+            json: as_json,
+            ..
+        } => {
+            let filter = MessageFilter {
+                state: wanted.map(state),
+                limit,
+            };
+            let messages = db.messages(&mut conn, &filter).await?;
+            if as_json {
+                for m in &messages {
+                    writeln!(out, "{}", json(m))?;
+                }
+                return Ok(());
+            }
+            writeln!(
+                out,
+                "{:<36}  {:<20}  {:<7}  {:>8}  {:<24}  LAST ERROR",
+                "ID", "TYPE", "STATE", "ATTEMPTS", "CREATED"
+            )?;
+            for m in &messages {
+                writeln!(
+                    out,
+                    "{:<36}  {:<20}  {:<7}  {:>8}  {:<24}  {}",
+                    m.id,
+                    m.kind,
+                    m.state.as_str(),
+                    m.attempts,
+                    time(m.created_at),
+                    m.last_error.as_deref().unwrap_or("-"),
+                )?;
+            }
+            let n = messages.len();
+            writeln!(out, "({n} message{})", if n == 1 { "" } else { "s" })?;
+        }
+        OutboxCommand::Show { id, .. } => {
+            let message = db
+                .message(&mut conn, &id)
+                .await?
+                .with_context(|| format!("no outbox message {id}"))?;
+            let audit = db.outbox_audit(&mut conn, &id).await?;
+            let mut shown = json(&message);
+            shown["delivered_as"] =
+                serde_json::from_slice(&envelope(&message)).unwrap_or(serde_json::Value::Null);
+            shown["audit"] = audit.iter().map(audit_json).collect();
+            writeln!(out, "{}", serde_json::to_string_pretty(&shown)?)?;
+        }
+        OutboxCommand::Retry { id, note, .. } => {
+            let now = Timestamp::now();
+            let mut tx = db.begin().await?;
+            if !db.requeue(&mut tx, &id, now).await? {
+                anyhow::bail!("{}", not_dead(&db, &mut tx, &id).await?);
+            }
+            db.append_outbox_audit(&mut tx, &entry(&id, now, "retried", note))
+                .await?;
+            db.commit(tx).await?;
+            writeln!(
+                out,
+                "{id} is pending again with its attempts reset; the relay delivers it next"
+            )?;
+        }
+        OutboxCommand::Drop { id, note, .. } => {
+            let now = Timestamp::now();
+            let mut tx = db.begin().await?;
+            if !db.remove_dead(&mut tx, &id).await? {
+                anyhow::bail!("{}", not_dead(&db, &mut tx, &id).await?);
+            }
+            db.append_outbox_audit(&mut tx, &entry(&id, now, "dropped", note))
+                .await?;
+            db.commit(tx).await?;
+            writeln!(out, "{id} dropped: it will not be delivered")?;
+        }
+    }
+    Ok(())
+}
+
+fn entry(id: &str, at: Timestamp, action: &str, note: Option<String>) -> OutboxAuditEntry {
+    OutboxAuditEntry {
+        message_id: id.to_owned(),
+        at,
+        actor: actor(),
+        action: action.to_owned(),
+        detail: note.unwrap_or_default(),
+    }
+}
+
+/// Why `retry` or `drop` refused: only dead messages are the operator's to act on.
+async fn not_dead<S: AppDb>(db: &S, conn: &mut S::Connection, id: &str) -> anyhow::Result<String> {
+    Ok(match db.message(conn, id).await? {
+        None => format!("no outbox message {id}"),
+        Some(m) => format!(
+            "{id} is {}, not dead: only dead messages can be retried or dropped",
+            m.state.as_str()
+        ),
+    })
+}
