@@ -38,6 +38,7 @@ pub use self::auth::ApiKeys;
 #[doc = include_str!("../../docs/gateway.md")]
 #[doc = include_str!("../../docs/benchmarks.md")]
 #[doc = include_str!("../../docs/decisions.md")]
+#[doc = include_str!("../../docs/outbox.md")]
 pub struct ReadmeDoctests;
 pub use self::db::{AppDb, Payment};
 pub use self::secret::KeySecrets;

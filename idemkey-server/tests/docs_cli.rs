@@ -331,7 +331,7 @@ fn run(inv: &Invocation) {
             if subcommand == "demo" {
                 set_flag(&mut args, "--payments", "20".to_owned());
             }
-            if subcommand == "keys" {
+            if subcommand == "keys" || subcommand == "outbox" {
                 // What an operator inspects is a database `idemkey serve` has used, with the
                 // same database and key secret flags as the documented line.
                 let mut serve = vec!["serve".to_owned(), "--listen".to_owned()];
