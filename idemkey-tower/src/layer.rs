@@ -8,6 +8,7 @@ use idemkey_core::{AnswerRule, Clock, FingerprintSpec, KeyHasher, RecordId, Syst
 use tower_layer::Layer;
 
 use crate::cache::{self, ReplayCache};
+use crate::coalesce::Turns;
 use crate::{IdempotencyService, InFlightPolicy, KeyRequirement, Metrics};
 
 /// Where the status resource lives; a key's URL is this prefix plus the encoded key.
@@ -37,6 +38,9 @@ pub(crate) struct Config {
     pub(crate) clock: Arc<dyn Clock>,
     /// Completed records kept in memory; shared by every layer derived from this one.
     pub(crate) cache: Option<Arc<ReplayCache>>,
+    /// Attempts of one key in this process go to the store one at a time; shared by every
+    /// layer derived from this one.
+    pub(crate) turns: Arc<Turns>,
 }
 
 /// Seals a raw key for its record (see [`IdempotencyLayer::seal_keys`]).
@@ -123,6 +127,7 @@ impl<S> IdempotencyLayer<S> {
                     cache::DEFAULT_ENTRIES,
                     cache::DEFAULT_BYTES,
                 ))),
+                turns: Arc::new(Turns::default()),
             }),
         }
     }

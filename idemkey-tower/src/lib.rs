@@ -19,6 +19,7 @@
 //! in `docs/contract.md`. See [`IdempotencyLayer`] for an example.
 
 mod cache;
+mod coalesce;
 mod external;
 mod layer;
 mod metrics;

@@ -87,6 +87,7 @@ struct Inner {
     owner_write_failures: [AtomicU64; OWNER_WRITES.len()],
     reconciled: [AtomicU64; RECONCILED.len()],
     replay_cache_hits: AtomicU64,
+    waiting_in_process: AtomicU64,
 }
 
 /// The layer's metrics. Cheap to clone; share one between the layers of an application and
@@ -206,6 +207,26 @@ impl Metrics {
         self.inner.replay_cache_hits.load(Ordering::Relaxed)
     }
 
+    /// Counts a request that starts waiting, in memory, for another attempt of its key in
+    /// this process; [`stopped_waiting`](Self::stopped_waiting) when it stops.
+    pub(crate) fn started_waiting(&self) {
+        self.inner
+            .waiting_in_process
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn stopped_waiting(&self) {
+        self.inner
+            .waiting_in_process
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Requests waiting now, in memory and without a database connection, for another
+    /// attempt of their key in this process to end.
+    pub fn waiting_in_process(&self) -> u64 {
+        self.inner.waiting_in_process.load(Ordering::Relaxed)
+    }
+
     /// How many requests ended in `outcome`.
     pub fn count(&self, outcome: Outcome) -> u64 {
         self.inner.outcomes[index(outcome)].load(Ordering::Relaxed)
@@ -315,6 +336,13 @@ impl Metrics {
              # TYPE idemkey_replay_cache_hits_total counter\n\
              idemkey_replay_cache_hits_total {}",
             inner.replay_cache_hits.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP idemkey_waiting_in_process Keyed requests waiting in memory, without a database connection, for another attempt of their key in this process.\n\
+             # TYPE idemkey_waiting_in_process gauge\n\
+             idemkey_waiting_in_process {}",
+            inner.waiting_in_process.load(Ordering::Relaxed)
         );
         out
     }

@@ -761,12 +761,15 @@ async fn store_header_adds_a_replayed_header() {
     assert_eq!(second.header("x-not-stored"), Some("1"));
 }
 
-/// SQLite takes its write lock in `store.begin()` (`BEGIN IMMEDIATE`), so a retry that
-/// arrives while the first attempt holds it waits there. That lock is the whole database's:
+/// SQLite takes its write lock in `store.begin()` (`BEGIN IMMEDIATE`), so a request that
+/// arrives while another attempt holds it waits there. That lock is the whole database's:
 /// when the wait runs out the layer cannot tell this key from any other writer, so the answer
-/// is 503 `store-busy` + `Retry-After` (nothing ran), not a claim that this key is in flight.
+/// is 503 `store-busy` + `Retry-After` (nothing ran), not a claim that the key is in flight.
+/// (A retry of the *same* key waits in memory for the first attempt instead: see
+/// `retry_storm.rs`.)
 ///
-/// The store here has a 200 ms busy time-out and the first attempt runs for 1 s.
+/// The store here has a 200 ms busy time-out; the first attempt holds the lock until the
+/// other key's request has its answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_sqlite_lock_answers_503_store_busy_and_runs_nothing() {
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
@@ -801,7 +804,7 @@ async fn busy_sqlite_lock_answers_503_store_busy_and_runs_nothing() {
     };
     // The owner holds the key (and SQLite's write lock) in its handler.
     gate.entered.notified().await;
-    let retry = send(&app, request(Some("k-busy"), body)).await;
+    let retry = send(&app, request(Some("k-busy-other"), body)).await;
     gate.proceed.add_permits(1);
     let owner = owner.await.unwrap();
     assert_eq!(owner.status, StatusCode::CREATED);

@@ -28,6 +28,7 @@ pub(super) async fn run<S, I>(
     inner: I,
     req: Request<Body>,
     claim: Claim,
+    wait_left: Option<Duration>,
 ) -> Response
 where
     S: Store,
@@ -40,9 +41,13 @@ where
         Ok(tx) => tx,
         Err(e) => return keyed.finish(Outcome::StoreError, store_unavailable(&e)),
     };
+    // What is left of the in-flight bound after waiting for this process's other attempts
+    // (never zero: PostgreSQL reads a zero lock time-out as "wait forever").
     let wait = match config.in_flight {
-        InFlightPolicy::Wait(bound) if bound == InFlightPolicy::DEFAULT_WAIT => None,
-        InFlightPolicy::Wait(bound) => Some(bound),
+        InFlightPolicy::Wait(bound) => {
+            let left = wait_left.unwrap_or(bound).max(Duration::from_millis(1));
+            (left != InFlightPolicy::DEFAULT_WAIT).then_some(left)
+        }
         InFlightPolicy::Reject => Some(Duration::from_millis(1)),
     };
     if let Some(wait) = wait

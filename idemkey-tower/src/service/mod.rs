@@ -26,6 +26,8 @@ use idemkey_core::{
 use tower_service::Service;
 use tracing::Instrument;
 
+use crate::InFlightPolicy;
+use crate::coalesce::{self, Turn, TurnGuard};
 use crate::layer::Config;
 use crate::metrics::Outcome;
 use crate::{IdempotencyLayer, IdempotencyRejection, KeyRequirement, Tenant};
@@ -209,6 +211,51 @@ impl<S: Store> Keyed<S> {
         }
     }
 
+    /// Waits, in memory, until no other attempt of this record is at the store in this
+    /// process (see `crate::coalesce`), then holds the turn. Under [`InFlightPolicy::Wait`]
+    /// the wait counts against its bound, and what is left of it after a wait is returned
+    /// for the claim's lock wait (`None`: there was no wait, the whole bound is left); a
+    /// completed answer found in the replay cache after the wait is the answer. Under
+    /// `Reject` nobody waits here.
+    async fn take_turn(
+        &mut self,
+        claim: &mut Claim,
+    ) -> Result<(Option<TurnGuard>, Option<Duration>), Response> {
+        let InFlightPolicy::Wait(bound) = self.config.in_flight else {
+            return Ok((None, None));
+        };
+        let deadline = tokio::time::Instant::now() + bound;
+        let config = self.config.clone();
+        let mut waited = false;
+        loop {
+            let done = match config.turns.take(claim.id.digest()) {
+                Turn::Mine(guard) => {
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    return Ok((Some(guard), waited.then_some(left)));
+                }
+                Turn::Wait(done) => done,
+            };
+            waited = true;
+            config.metrics.started_waiting();
+            let ended = tokio::time::timeout_at(deadline, coalesce::ended(done)).await;
+            config.metrics.stopped_waiting();
+            if ended.is_err() {
+                return Err(self.answer(ClaimOutcome::InFlight {
+                    lease_expires_at: None,
+                    expires_at: None,
+                }));
+            }
+            claim.now = config.clock.now();
+            if let Some(cache) = &config.cache {
+                if let Some(outcome) = cache.answer(&claim.id, &claim.fingerprint, claim.now) {
+                    config.metrics.replay_cache_hit();
+                    return Err(self.answer(outcome));
+                }
+                self.ticket = cache.ticket();
+            }
+        }
+    }
+
     /// Tenant → scope → record id, then the body and the fingerprint: the claim, made by
     /// the mode of the route.
     async fn run<I>(mut self, inner: I, req: Request<Body>) -> Response
@@ -302,7 +349,15 @@ impl<S: Store> Keyed<S> {
             let req = Request::from_parts(parts, Body::from(bytes));
             match config.external {
                 Some(lease) => external::run(self, inner, req, claim, lease).await,
-                None => local::run(self, inner, req, claim).await,
+                None => {
+                    let (turn, wait) = match self.take_turn(&mut claim).await {
+                        Ok(turn) => turn,
+                        Err(answer) => return answer,
+                    };
+                    let response = local::run(self, inner, req, claim, wait).await;
+                    drop(turn);
+                    response
+                }
             }
         }
         .instrument(span)
