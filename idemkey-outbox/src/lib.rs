@@ -29,10 +29,16 @@
 //! }
 //! ```
 //!
+//! - on the receiving side, an [`Inbox`] runs a consumer's handler for each message with
+//!   the message id as the idempotency key, the handler's effect and the record in one
+//!   transaction, so the consumer acknowledges after the commit and a redelivery runs
+//!   nothing.
+//!
 //! The store primitives are [`OutboxStore`]'s, implemented by `idemkey-sqlite` and
 //! `idemkey-postgres` next to their idempotency SQL.
 
 mod enqueue;
+mod inbox;
 mod metrics;
 mod relay;
 mod sink;
@@ -43,6 +49,7 @@ pub use idemkey_core::outbox::{
 };
 
 pub use self::enqueue::{Outgoing, enqueue, enqueue_on, new_message_id};
+pub use self::inbox::{Claimed, Handled, Inbox, InboxError};
 pub use self::metrics::OutboxMetrics;
 pub use self::relay::{Backoff, Relay, RelayConfig, RelayTask, Round};
 pub use self::sink::{DeliveryError, Sink, envelope};
