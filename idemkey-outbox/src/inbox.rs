@@ -295,7 +295,11 @@ impl<S: Store> Inbox<S> {
     ///
     /// The handler gets the transaction's connection for the lifetime of its future, so it
     /// owns what it uses (`move` it in).
-    pub async fn run<T, E, F>(&self, message_id: &str, handler: F) -> Result<Handled<T>, InboxError<E>>
+    pub async fn run<T, E, F>(
+        &self,
+        message_id: &str,
+        handler: F,
+    ) -> Result<Handled<T>, InboxError<E>>
     where
         F: for<'c> FnOnce(&'c mut S::Connection) -> BoxFuture<'c, Result<T, E>>,
     {

@@ -152,7 +152,11 @@ async fn a_failing_handler_leaves_neither_effect_nor_record<S: Fresh>() {
         matches!(failed, Err(InboxError::Handler("the downstream refused"))),
         "{failed:?}"
     );
-    assert_eq!(store.effects("msg_1").await, 0, "the effect was rolled back");
+    assert_eq!(
+        store.effects("msg_1").await,
+        0,
+        "the effect was rolled back"
+    );
     let id = inbox.record_id("msg_1").unwrap();
     let mut conn = store.acquire().await.unwrap();
     assert!(
