@@ -7,10 +7,15 @@
 //!   effect on, so a message is committed with the effect and the idempotency record, or not
 //!   at all, and a replayed request enqueues nothing;
 //! - a [`Relay`] delivers each message at least once to a [`Sink`] ([`WebhookSink`], or
-//!   NATS JetStream), marking it sent only after the sink acknowledged, retrying with
-//!   backoff and jitter, and moving it to `dead` after [`RelayConfig::max_attempts`];
+//!   NATS JetStream with [`NatsSink`]), marking it sent only after the sink acknowledged,
+//!   retrying with backoff and jitter, and moving it to `dead` after
+//!   [`RelayConfig::max_attempts`];
 //! - every delivery of one message carries the same id and the same bytes
-//!   ([`envelope`]), which the receiver deduplicates on.
+//!   ([`envelope`]), which the receiver deduplicates on;
+//! - on the receiving side, an [`Inbox`] runs a consumer's handler for each message with
+//!   the message id as the idempotency key, the handler's effect and the record in one
+//!   transaction, so the consumer acknowledges after the commit and a redelivery runs
+//!   nothing; [`consume_jetstream`] does that for a JetStream pull consumer.
 //!
 //! ```no_run
 //! use idemkey_outbox::{Outgoing, enqueue};
@@ -29,11 +34,19 @@
 //! }
 //! ```
 //!
+//! The NATS parts ([`NatsSink`], [`consume_jetstream`]) are behind the default feature
+//! `nats`.
+//!
 //! The store primitives are [`OutboxStore`]'s, implemented by `idemkey-sqlite` and
 //! `idemkey-postgres` next to their idempotency SQL.
 
+#[cfg(feature = "nats")]
+mod consume;
 mod enqueue;
+mod inbox;
 mod metrics;
+#[cfg(feature = "nats")]
+mod nats;
 mod relay;
 mod sink;
 mod webhook;
@@ -42,8 +55,20 @@ pub use idemkey_core::outbox::{
     Message, MessageFilter, MessageState, NewMessage, OutboxAuditEntry, OutboxStats, OutboxStore,
 };
 
+#[cfg(feature = "nats")]
+pub use self::consume::{
+    ConsumeError, consume_jetstream, consume_jetstream_with, jetstream_message_id,
+};
 pub use self::enqueue::{Outgoing, enqueue, enqueue_on, new_message_id};
+pub use self::inbox::{Claimed, Handled, Inbox, InboxError};
 pub use self::metrics::OutboxMetrics;
+#[cfg(feature = "nats")]
+pub use self::nats::{NatsConfig, NatsSink, Published};
 pub use self::relay::{Backoff, Relay, RelayConfig, RelayTask, Round};
 pub use self::sink::{DeliveryError, Sink, envelope};
 pub use self::webhook::WebhookSink;
+
+/// The samples of `docs/outbox-nats.md`, compiled as doctests.
+#[cfg(all(doctest, feature = "nats"))]
+#[doc = include_str!("../../docs/outbox-nats.md")]
+struct OutboxNatsDocs;

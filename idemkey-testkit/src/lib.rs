@@ -4,12 +4,16 @@
 //!   with [`conformance_tests!`];
 //! - a throwaway PostgreSQL server for tests ([`postgres_url`], [`fresh_database_url`]),
 //!   started from the installed binaries when `DATABASE_URL` is not set;
+//! - a throwaway NATS server with JetStream ([`NatsServer`]), started from the installed
+//!   `nats-server`, that a test can stop and start again on the same port and store;
 //! - [`FaultProxy`], re-exported from `idemkey-fault-proxy` (where it lives so that the
 //!   `idemkey demo` command can use it without the release binary linking this crate).
 
 pub mod conformance;
+mod nats;
 mod postgres;
 
 pub use self::conformance::Harness;
+pub use self::nats::{NATS_SERVER_ENV, NatsServer, Stop, nats_server_binary};
 pub use self::postgres::*;
 pub use idemkey_fault_proxy::{FaultConfig, FaultProxy, ProxyStats};
