@@ -149,6 +149,12 @@ impl NatsSink {
         Ok(sink)
     }
 
+    /// Checks that `subject` can be published to: tokens separated by `.`, no wildcards, no
+    /// spaces (the check [`connect`](Self::connect) makes), without connecting.
+    pub fn check_subject(subject: &str) -> Result<(), DeliveryError> {
+        validate_subject(subject)
+    }
+
     /// The subject messages are published to.
     pub fn subject(&self) -> &str {
         &self.config.subject

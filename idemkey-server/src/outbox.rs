@@ -2,14 +2,16 @@
 //! `idemkey relay` run, and `idemkey outbox …`, the operator's view of the messages.
 
 use std::io::Write;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use idemkey_core::Timestamp;
 use idemkey_outbox::{
-    Backoff, DeliveryError, Message, MessageFilter, MessageState, OutboxAuditEntry, OutboxMetrics,
-    Relay, RelayConfig, RelayTask, Sink, WebhookSink, envelope,
+    Backoff, DeliveryError, Message, MessageFilter, MessageState, NatsConfig, NatsSink,
+    OutboxAuditEntry, OutboxMetrics, Relay, RelayConfig, RelayTask, Sink, WebhookSink, envelope,
 };
+use tokio::sync::OnceCell;
 
 use crate::AppDb;
 use crate::cli::{MessageStateArg, OutboxArgs, OutboxCommand};
@@ -19,24 +21,49 @@ use crate::cli::{MessageStateArg, OutboxArgs, OutboxCommand};
 pub enum OutboxSink {
     /// `POST` to a URL.
     Webhook(WebhookSink),
+    /// Publish to NATS JetStream. Connected at the first delivery, and again after a failed
+    /// connection: the server starts while NATS is down, and the relay retries.
+    Nats(Arc<LazyNats>),
+}
+
+/// A JetStream sink connected on first use.
+#[derive(Debug)]
+pub struct LazyNats {
+    url: String,
+    config: NatsConfig,
+    sink: OnceCell<NatsSink>,
 }
 
 impl OutboxSink {
     /// The sink the arguments name, if any.
     pub fn from_args(args: &OutboxArgs) -> anyhow::Result<Option<Self>> {
-        match &args.outbox_webhook {
-            Some(url) => Ok(Some(Self::Webhook(
-                WebhookSink::with_timeout(url, args.outbox_delivery_timeout)
-                    .map_err(|e| anyhow::anyhow!("--outbox-webhook: {e}"))?,
-            ))),
-            None => Ok(None),
+        if let Some(url) = &args.outbox_webhook {
+            let sink = WebhookSink::with_timeout(url, args.outbox_delivery_timeout)
+                .map_err(|e| anyhow::anyhow!("--outbox-webhook: {e}"))?;
+            return Ok(Some(Self::Webhook(sink)));
         }
+        let (Some(url), Some(subject)) = (&args.outbox_nats, &args.outbox_subject) else {
+            return Ok(None);
+        };
+        let mut config = NatsConfig::new(subject.clone());
+        config.ack_timeout = args.outbox_delivery_timeout.mul_f64(0.8);
+        NatsSink::check_subject(subject).map_err(|e| anyhow::anyhow!("--outbox-subject: {e}"))?;
+        Ok(Some(Self::Nats(Arc::new(LazyNats {
+            url: url.clone(),
+            config,
+            sink: OnceCell::new(),
+        }))))
     }
 
     /// Where messages go, for the start-up line.
     pub fn describe(&self) -> String {
         match self {
             Self::Webhook(sink) => format!("webhook POST {}", sink.url()),
+            Self::Nats(nats) => format!(
+                "NATS JetStream {} subject {}",
+                crate::secret::redacted(&nats.url),
+                nats.config.subject
+            ),
         }
     }
 }
@@ -45,6 +72,13 @@ impl Sink for OutboxSink {
     async fn deliver(&self, message: &Message) -> Result<(), DeliveryError> {
         match self {
             Self::Webhook(sink) => sink.deliver(message).await,
+            Self::Nats(nats) => {
+                let sink = nats
+                    .sink
+                    .get_or_try_init(|| NatsSink::connect_with(&nats.url, nats.config.clone()))
+                    .await?;
+                sink.deliver(message).await
+            }
         }
     }
 }
@@ -80,7 +114,7 @@ pub fn spawn_relay<S: AppDb>(
 /// `idemkey relay`: delivers until SIGTERM or Ctrl-C, then finishes the round in progress.
 pub async fn relay<S: AppDb>(db: S, args: &OutboxArgs) -> anyhow::Result<()> {
     let sink =
-        OutboxSink::from_args(args)?.context("nowhere to deliver: pass --outbox-webhook URL")?;
+        OutboxSink::from_args(args)?.context("nowhere to deliver: pass --outbox-webhook URL, or --outbox-nats URL --outbox-subject SUBJECT")?;
     println!("idemkey relay delivering to {}", sink.describe());
     let task = spawn_relay(db, sink, args, OutboxMetrics::new());
     crate::serve::shutdown_signal().await;

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# A retry storm on one key must not slow anyone else (docs/reliability.md). Starts a throwaway
+# PostgreSQL and `idemkey serve --simulate-latency MS` (each payment waits that long inside
+# its transaction), then times five fresh payments of tenant B alone, and again while 150
+# duplicates of one payment of tenant A are in flight. Prints both and their ratio.
+# Loopback only; bounded (one storm).
+#
+#   scripts/retry_storm.sh [LATENCY_MS] [DUPLICATES]
+#
+# BIN=path/to/idemkey uses that build instead of building this one in release mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LATENCY=${1:-4000}
+DUPLICATES=${2:-150}
+if [ -z "${BIN:-}" ]; then
+  cargo build --release -q -p idemkey-server
+  BIN=$PWD/target/release/idemkey
+fi
+WORK=$(mktemp -d /tmp/idemkey-storm.XXXXXX)
+chmod 755 "$WORK"
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  if [ -n "${PGDATA_DIR:-}" ]; then
+    $AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -m fast stop >/dev/null 2>&1 || true
+  fi
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+PGBIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
+AS_PG=""
+[ "$(id -u)" = 0 ] && AS_PG="runuser -u postgres --"
+PGDATA_DIR=$WORK/pg
+mkdir -p "$PGDATA_DIR" && [ -n "$AS_PG" ] && chown postgres "$WORK" "$PGDATA_DIR"
+$AS_PG "$PGBIN/initdb" -D "$PGDATA_DIR" -A trust -U postgres -E UTF8 --no-locale >/dev/null
+PGPORT=$(free_port)
+$AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -l "$WORK/pg.log" -w \
+  -o "-p $PGPORT -c listen_addresses=127.0.0.1 -c unix_socket_directories=$WORK -c max_connections=200" start >/dev/null
+
+PORT=$(free_port)
+"$BIN" serve --listen "127.0.0.1:$PORT" --database-url "postgres://postgres@127.0.0.1:$PGPORT/postgres" \
+  --api-key a=tok_a --api-key b=tok_b --key-secret storm-secret --simulate-latency "$LATENCY" \
+  >"$WORK/serve.log" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 100); do grep -q "listening" "$WORK/serve.log" && break; sleep 0.1; done
+URL="http://127.0.0.1:$PORT/v1/payments"
+
+pay() { # $1 token, $2 key, $3 customer; prints "status seconds"
+  curl -s -o /dev/null -w '%{http_code} %{time_total}\n' -X POST "$URL" \
+    -H "Authorization: Bearer $1" -H "Idempotency-Key: $2" -H 'Content-Type: application/json' \
+    -d "{\"amount\":100,\"currency\":\"EUR\",\"customer\":\"$3\"}"
+}
+five_of_b() { # $1 label
+  for i in 1 2 3 4 5; do pay tok_b "$1-$i" b & done | sort -k2 -n | tail -1
+}
+
+alone=$(five_of_b alone)
+STORM=()
+for _ in $(seq "$DUPLICATES"); do pay tok_a storm-key a >>"$WORK/storm.txt" & STORM+=($!); done
+sleep 0.5 # let the storm arrive before the five
+during=$(five_of_b during)
+wait "${STORM[@]}"
+python3 - "$alone" "$during" "$WORK/storm.txt" "$LATENCY" "$DUPLICATES" <<'PY'
+import sys
+alone, during, storm, latency, dups = sys.argv[1:6]
+a = float(alone.split()[1]); d = float(during.split()[1])
+statuses = {}
+for line in open(storm):
+    s = line.split()[0]
+    statuses[s] = statuses.get(s, 0) + 1
+print(f"--simulate-latency {latency}: five fresh payments of tenant b, slowest: alone {a:.2f} s ({alone.split()[0]}), "
+      f"during a storm of {dups} duplicates on one key of tenant a {d:.2f} s ({during.split()[0]}); ratio {d / a:.2f}")
+print(f"the storm's answers: {statuses}")
+PY
