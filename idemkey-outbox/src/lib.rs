@@ -67,8 +67,3 @@ pub use self::nats::{NatsConfig, NatsSink, Published};
 pub use self::relay::{Backoff, Relay, RelayConfig, RelayTask, Round};
 pub use self::sink::{DeliveryError, Sink, envelope};
 pub use self::webhook::WebhookSink;
-
-/// The samples of `docs/outbox-nats.md`, compiled as doctests.
-#[cfg(all(doctest, feature = "nats"))]
-#[doc = include_str!("../../docs/outbox-nats.md")]
-struct OutboxNatsDocs;

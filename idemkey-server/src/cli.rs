@@ -52,11 +52,22 @@ pub struct OutboxArgs {
     /// Emit outbox messages and publish each to NATS JetStream at this URL (with
     /// `--outbox-subject`), `Nats-Msg-Id` set to the message id; several servers may be
     /// listed, separated by commas.
-    #[arg(long, value_name = "URL", env = "IDEMKEY_OUTBOX_NATS", conflicts_with = "outbox_webhook", requires = "outbox_subject")]
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "IDEMKEY_OUTBOX_NATS",
+        conflicts_with = "outbox_webhook",
+        requires = "outbox_subject"
+    )]
     pub outbox_nats: Option<String>,
     /// The subject `--outbox-nats` publishes to. A stream that captures it is used as it is;
     /// when none does, one is created (`OUTBOX_<SUBJECT>`, a 2-minute duplicate window).
-    #[arg(long, value_name = "SUBJECT", env = "IDEMKEY_OUTBOX_SUBJECT", requires = "outbox_nats")]
+    #[arg(
+        long,
+        value_name = "SUBJECT",
+        env = "IDEMKEY_OUTBOX_SUBJECT",
+        requires = "outbox_nats"
+    )]
     pub outbox_subject: Option<String>,
     /// How long one delivery may take before it counts as failed. A relay's claim on the
     /// messages it delivers lasts three times this: a relay that dies leaves its messages to

@@ -433,6 +433,80 @@ async fn operator_commands_and_the_relay_process(backend: Backend) {
     assert!(!ok && err.contains("nowhere to deliver"), "{err}");
 }
 
+/// `serve --outbox-nats` starts while NATS is down (payments succeed and their messages
+/// wait), and once NATS is up the relay publishes each to JetStream with `Nats-Msg-Id`: the
+/// stream it created holds exactly one copy per message, the envelope's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_publishes_to_jetstream_and_starts_while_nats_is_down() {
+    const N: usize = 20;
+    let backend = Backend::sqlite().await;
+    let mut nats = tokio::task::spawn_blocking(idemkey_testkit::NatsServer::start)
+        .await
+        .unwrap();
+    let nats_url = nats.url();
+    nats.stop(idemkey_testkit::Stop::Graceful);
+    let server = backend
+        .start(&[
+            "--outbox-nats",
+            &nats_url,
+            "--outbox-subject",
+            "payments.events",
+            "--outbox-delivery-timeout",
+            "2s",
+            "--outbox-max-backoff",
+            "1s",
+        ])
+        .await;
+    let api = server.api();
+    for k in 0..N {
+        let answer = api
+            .pay_ok(
+                TOKEN1,
+                &format!("nats-{k}"),
+                &payment(100 + k as i64, "nats"),
+            )
+            .await;
+        assert_eq!(answer.status, 201, "{}", answer.text());
+    }
+    let (rows, _) = read_outbox(&backend).await;
+    assert_eq!(rows.len(), N);
+    assert!(
+        rows.iter().all(|r| r.2 == "pending"),
+        "NATS is down: nothing sent"
+    );
+    let mut nats = tokio::task::spawn_blocking(move || {
+        nats.restart();
+        nats
+    })
+    .await
+    .unwrap();
+    let (rows, _) = until_delivered(&backend).await;
+    assert!(rows.iter().all(|r| r.2 == "sent"));
+
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let mut stream = js.get_stream("OUTBOX_PAYMENTS_EVENTS").await.unwrap();
+    let state = stream.info().await.unwrap().state.clone();
+    assert_eq!(state.messages, N as u64, "one copy per message");
+    let mut ids = BTreeSet::new();
+    for seq in state.first_sequence..=state.last_sequence {
+        let message = stream.get_raw_message(seq).await.unwrap();
+        let id = message
+            .headers
+            .get(async_nats::header::NATS_MESSAGE_ID)
+            .map(|v| v.as_str().to_owned())
+            .expect("Nats-Msg-Id");
+        let envelope: serde_json::Value = serde_json::from_slice(&message.payload).unwrap();
+        assert_eq!(envelope["id"], id.as_str());
+        assert_eq!(envelope["type"], "payment.succeeded");
+        ids.insert(id);
+    }
+    let expected: BTreeSet<String> = rows.into_iter().map(|r| r.0).collect();
+    assert_eq!(ids, expected);
+    drop(server);
+    nats.stop(idemkey_testkit::Stop::Graceful);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_kill9_under_load_one_message_per_payment() {
     kill9_under_load_one_message_per_payment(Backend::sqlite().await).await;
