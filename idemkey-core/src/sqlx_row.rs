@@ -219,3 +219,213 @@ pub fn is_connection_lost(error: &sqlx::Error) -> bool {
 fn is_connection_sqlstate(code: &str) -> bool {
     code.starts_with("08") || code == "57P01"
 }
+
+/// Implements [`OutboxStore`](crate::outbox::OutboxStore) for a sqlx store: the Rust side is
+/// the same for every dialect (binds, row mapping, errors); the SQL is the store's own, given
+/// as associated constants of `$sql` (`ENQUEUE`, `CLAIM_DUE`, `MARK_SENT`, `MARK_FAILED`,
+/// `MESSAGES`, `MESSAGE`, `REQUEUE`, `REMOVE_DEAD`, `PURGE_SENT`, `STATS`, `APPEND_AUDIT`,
+/// `AUDIT`), each binding its parameters in the order the calls here give them.
+/// `$error` maps a `sqlx::Error` to a [`StoreError`](crate::StoreError).
+#[macro_export]
+macro_rules! impl_outbox_store {
+    ($store:ty, $conn:ty, $sql:ty, $error:path) => {
+        impl $crate::outbox::OutboxStore for $store {
+            async fn enqueue(
+                conn: &mut $conn,
+                message: &$crate::outbox::NewMessage,
+            ) -> Result<(), $crate::StoreError> {
+                sqlx::query(<$sql>::ENQUEUE)
+                    .bind(&message.id)
+                    .bind(&message.group)
+                    .bind(&message.kind)
+                    .bind(&message.data)
+                    .bind(message.created_at.as_millis())
+                    .execute(conn)
+                    .await
+                    .map_err($error)?;
+                Ok(())
+            }
+
+            async fn claim_due(
+                &self,
+                conn: &mut $conn,
+                relay: &str,
+                now: $crate::Timestamp,
+                until: $crate::Timestamp,
+                limit: u32,
+            ) -> Result<Vec<$crate::outbox::Message>, $crate::StoreError> {
+                let rows: Vec<$crate::MessageRow> = sqlx::query_as(<$sql>::CLAIM_DUE)
+                    .bind(relay)
+                    .bind(now.as_millis())
+                    .bind(until.as_millis())
+                    .bind(i64::from(limit))
+                    .fetch_all(conn)
+                    .await
+                    .map_err($error)?;
+                let mut claimed = rows
+                    .into_iter()
+                    .map($crate::outbox::Message::try_from)
+                    .collect::<Result<Vec<_>, _>>()?;
+                claimed.sort_by_key(|m| m.seq);
+                Ok(claimed)
+            }
+
+            async fn mark_sent(
+                &self,
+                conn: &mut $conn,
+                id: &str,
+                relay: &str,
+                now: $crate::Timestamp,
+            ) -> Result<bool, $crate::StoreError> {
+                let done = sqlx::query(<$sql>::MARK_SENT)
+                    .bind(id)
+                    .bind(relay)
+                    .bind(now.as_millis())
+                    .execute(conn)
+                    .await
+                    .map_err($error)?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn mark_failed(
+                &self,
+                conn: &mut $conn,
+                id: &str,
+                relay: &str,
+                next_attempt_at: Option<$crate::Timestamp>,
+                failure: &str,
+            ) -> Result<bool, $crate::StoreError> {
+                let done = sqlx::query(<$sql>::MARK_FAILED)
+                    .bind(id)
+                    .bind(relay)
+                    .bind(next_attempt_at.map($crate::Timestamp::as_millis))
+                    .bind(failure)
+                    .execute(conn)
+                    .await
+                    .map_err($error)?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn messages(
+                &self,
+                conn: &mut $conn,
+                filter: &$crate::outbox::MessageFilter,
+            ) -> Result<Vec<$crate::outbox::Message>, $crate::StoreError> {
+                let rows: Vec<$crate::MessageRow> = sqlx::query_as(<$sql>::MESSAGES)
+                    .bind(filter.state.map(|s| s.as_str()))
+                    .bind(filter.effective_limit())
+                    .fetch_all(conn)
+                    .await
+                    .map_err($error)?;
+                rows.into_iter()
+                    .map($crate::outbox::Message::try_from)
+                    .collect()
+            }
+
+            async fn message(
+                &self,
+                conn: &mut $conn,
+                id: &str,
+            ) -> Result<Option<$crate::outbox::Message>, $crate::StoreError> {
+                let row: Option<$crate::MessageRow> = sqlx::query_as(<$sql>::MESSAGE)
+                    .bind(id)
+                    .fetch_optional(conn)
+                    .await
+                    .map_err($error)?;
+                row.map($crate::outbox::Message::try_from).transpose()
+            }
+
+            async fn requeue(
+                &self,
+                conn: &mut $conn,
+                id: &str,
+                now: $crate::Timestamp,
+            ) -> Result<bool, $crate::StoreError> {
+                let done = sqlx::query(<$sql>::REQUEUE)
+                    .bind(id)
+                    .bind(now.as_millis())
+                    .execute(conn)
+                    .await
+                    .map_err($error)?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn remove_dead(
+                &self,
+                conn: &mut $conn,
+                id: &str,
+            ) -> Result<bool, $crate::StoreError> {
+                let done = sqlx::query(<$sql>::REMOVE_DEAD)
+                    .bind(id)
+                    .execute(conn)
+                    .await
+                    .map_err($error)?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn purge_sent(
+                &self,
+                conn: &mut $conn,
+                before: $crate::Timestamp,
+                batch: u32,
+            ) -> Result<u64, $crate::StoreError> {
+                let done = sqlx::query(<$sql>::PURGE_SENT)
+                    .bind(before.as_millis())
+                    .bind(i64::from(batch))
+                    .execute(conn)
+                    .await
+                    .map_err($error)?;
+                Ok(done.rows_affected())
+            }
+
+            async fn outbox_stats(
+                &self,
+                conn: &mut $conn,
+            ) -> Result<$crate::outbox::OutboxStats, $crate::StoreError> {
+                let (pending, dead, oldest): (i64, i64, Option<i64>) =
+                    sqlx::query_as(<$sql>::STATS)
+                        .fetch_one(conn)
+                        .await
+                        .map_err($error)?;
+                Ok($crate::outbox::OutboxStats {
+                    pending: pending.max(0) as u64,
+                    dead: dead.max(0) as u64,
+                    oldest_pending: oldest.map($crate::Timestamp),
+                })
+            }
+
+            async fn append_outbox_audit(
+                &self,
+                conn: &mut $conn,
+                entry: &$crate::outbox::OutboxAuditEntry,
+            ) -> Result<(), $crate::StoreError> {
+                sqlx::query(<$sql>::APPEND_AUDIT)
+                    .bind(&entry.message_id)
+                    .bind(entry.at.as_millis())
+                    .bind(&entry.actor)
+                    .bind(&entry.action)
+                    .bind(&entry.detail)
+                    .execute(conn)
+                    .await
+                    .map_err($error)?;
+                Ok(())
+            }
+
+            async fn outbox_audit(
+                &self,
+                conn: &mut $conn,
+                id: &str,
+            ) -> Result<Vec<$crate::outbox::OutboxAuditEntry>, $crate::StoreError> {
+                let rows: Vec<$crate::OutboxAuditRow> = sqlx::query_as(<$sql>::AUDIT)
+                    .bind(id)
+                    .fetch_all(conn)
+                    .await
+                    .map_err($error)?;
+                Ok(rows
+                    .into_iter()
+                    .map($crate::outbox::OutboxAuditEntry::from)
+                    .collect())
+            }
+        }
+    };
+}
