@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use idemkey_core::outbox::{Message, OutboxStore};
 use idemkey_core::{Clock, StoreError, SystemClock, Timestamp};
+use futures::StreamExt;
 use rand::Rng;
 use tokio::sync::{Notify, watch};
 
@@ -51,6 +52,9 @@ pub struct RelayConfig {
     pub name: String,
     /// Messages claimed per round.
     pub batch: u32,
+    /// Deliveries in progress at once (each holds a database connection while it writes its
+    /// outcome).
+    pub concurrency: usize,
     /// How long a claim holds; a relay that dies mid-delivery leaves its messages to others
     /// after this. Must exceed `delivery_timeout`.
     pub claim: Duration,
@@ -73,6 +77,7 @@ impl Default for RelayConfig {
         Self {
             name: format!("relay-{}-{}", std::process::id(), hex::encode(suffix)),
             batch: 64,
+            concurrency: 16,
             claim: Duration::from_secs(60),
             delivery_timeout: Duration::from_secs(15),
             max_attempts: 12,
@@ -147,9 +152,9 @@ impl<S: OutboxStore, K: Sink> Relay<S, K> {
         self
     }
 
-    /// One round: claims up to a batch of due messages, delivers them concurrently (each
-    /// group's first pending message only, so a group's order holds) and writes each
-    /// outcome.
+    /// One round: claims up to a batch of due messages, delivers them, up to
+    /// [`RelayConfig::concurrency`] at once (each group's first pending message only, so a
+    /// group's order holds), and writes each outcome.
     pub async fn run_once(&self) -> Result<Round, StoreError> {
         let now = self.clock.now();
         let claimed = {
@@ -181,7 +186,11 @@ impl<S: OutboxStore, K: Sink> Relay<S, K> {
             let written = self.write_outcome(&message, outcome).await;
             (message, written)
         });
-        for (message, written) in futures::future::join_all(deliveries).await {
+        let finished: Vec<_> = futures::stream::iter(deliveries)
+            .buffer_unordered(self.config.concurrency.max(1))
+            .collect()
+            .await;
+        for (message, written) in finished {
             match written {
                 Ok((delivery, true)) => {
                     self.metrics.delivery(delivery);
