@@ -1,0 +1,175 @@
+//! Chaos on PostgreSQL, each scenario with load from the real client (`idemkey-client`: one
+//! key per logical payment, retried by the client with that key):
+//!
+//! - the database is down when `idemkey serve` starts, and goes away later.
+//!
+//! Each scenario asserts that nothing is duplicated or orphaned (payments, ledger rows and
+//! idempotency records read back from the database), that every operation the client
+//! reported successful exists exactly once, and prints one `CHAOS-ROW|…` line with its
+//! figures (`scripts/chaos.sh` runs the longer variants and collects them).
+//!
+//! The scenarios run on a PostgreSQL server of their own (`common::cluster`).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::cluster::PgCluster;
+use common::load::{self, Audit};
+use common::{Backend, TOKEN1};
+use idemkey_client::Operation;
+
+/// How long a condition on an external process may take to show.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A new cluster, initialised (not started), off the async threads.
+async fn cluster() -> Arc<PgCluster> {
+    Arc::new(
+        tokio::task::spawn_blocking(PgCluster::init)
+            .await
+            .expect("initdb"),
+    )
+}
+
+/// Runs a blocking `pg_ctl` step off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+}
+
+/// Polls `GET /healthz` (bounded) until it answers `status`; returns how long that took.
+async fn until_health(api: &common::Api, status: u16) -> Duration {
+    let started = Instant::now();
+    loop {
+        let answer = api.get("/healthz", None).await;
+        if answer.status == status {
+            if status == 503 {
+                answer.assert_problem(503, "store-unavailable");
+                assert_eq!(answer.header("retry-after"), Some("1"));
+            }
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "/healthz never answered {status}: {} {}",
+            answer.status,
+            answer.text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `serve` started while PostgreSQL is down: it listens, answers `/healthz` and payments
+/// with 503 problem+json (never exits), and once PostgreSQL is up it migrates and serves by
+/// itself. Later, PostgreSQL stopped under it: `/healthz` turns 503, and 200 again once it is
+/// back; a payment sent during the outage by the client succeeds once, after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_starts_without_postgres_and_recovers_by_itself() {
+    let cluster = cluster().await;
+    let backend = Backend::postgres_at(cluster.url("postgres"));
+    let server = backend.start(&["--max-connections", "4"]).await;
+    let api = server.api();
+
+    let health = api.get("/healthz", None).await;
+    health.assert_problem(503, "store-unavailable");
+    assert_eq!(health.header("retry-after"), Some("1"));
+    assert!(
+        health.json()["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("cannot reach its database")),
+        "{}",
+        health.text()
+    );
+    let refused = api
+        .pay_ok(TOKEN1, "before-postgres", &common::payment(500, "early"))
+        .await;
+    refused.assert_problem(503, "store-unavailable");
+
+    let up = Instant::now();
+    blocking({
+        let cluster = cluster.clone();
+        move || cluster.start()
+    })
+    .await;
+    let pg_ready = up.elapsed();
+    let serving = until_health(&api, 200).await;
+    let first = api
+        .pay_ok(TOKEN1, "before-postgres", &common::payment(500, "early"))
+        .await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert!(!first.replayed(), "nothing ran before the database was up");
+    let again = api
+        .pay_ok(TOKEN1, "before-postgres", &common::payment(500, "early"))
+        .await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+
+    // Later: the database goes away under a running server, and comes back.
+    blocking({
+        let cluster = cluster.clone();
+        move || cluster.stop("fast")
+    })
+    .await;
+    let noticed = until_health(&api, 503).await;
+    let attempts_before = api.metric("idemkey_attempts_total").await;
+    let client = load::client(load::patient_policy());
+    let op = Operation::new();
+    let pending = {
+        let (client, base, op) = (client.clone(), server.base().to_owned(), op.clone());
+        tokio::spawn(async move { load::pay(&client, &base, TOKEN1, 1, op).await })
+    };
+    // Its first attempt has reached the server (and fails, or waits for the database).
+    let deadline = Instant::now() + DEADLINE;
+    while api.metric("idemkey_attempts_total").await <= attempts_before {
+        assert!(
+            Instant::now() < deadline,
+            "the payment never reached the server"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let down = Instant::now();
+    blocking({
+        let cluster = cluster.clone();
+        move || cluster.start()
+    })
+    .await;
+    let back = until_health(&api, 200).await;
+    let paid = pending.await.expect("the payment task");
+    let recovered = down.elapsed();
+    let (status, replayed, attempts, _) = paid.outcome.clone().expect("the payment succeeds");
+    assert_eq!(status, 201);
+    assert!(!replayed, "executed once, after the outage");
+    let audit = Audit::postgres(backend.url()).await;
+    audit.assert_exactly_once(std::slice::from_ref(&paid));
+    // `early` (the first payment) and `op-1`.
+    audit.assert_all(2);
+    assert!(
+        server
+            .stdout()
+            .iter()
+            .any(|l| l.starts_with("idemkey listening on")),
+        "serve announced itself"
+    );
+
+    load::row(&load::Row {
+        scenario: "PostgreSQL down when serve starts",
+        ops: 2,
+        failed: 0,
+        duplicates: audit.duplicates,
+        records_without_effect: audit.records_without_effect,
+        effects_without_record: audit.effects_without_record,
+        recovery: Some(serving),
+        notes: format!(
+            "/healthz 503 until PostgreSQL was up (pg_ctl start {:.2} s), 200 {:.2} s after; \
+             stopped later: 503 after {:.2} s, 200 {:.2} s after the restart; a payment sent \
+             during the outage succeeded once after {attempts} attempts, {:.2} s",
+            pg_ready.as_secs_f64(),
+            serving.as_secs_f64(),
+            noticed.as_secs_f64(),
+            back.as_secs_f64(),
+            recovered.as_secs_f64(),
+        ),
+    });
+}
