@@ -1,7 +1,8 @@
 //! Chaos on PostgreSQL, each scenario with load from the real client (`idemkey-client`: one
 //! key per logical payment, retried by the client with that key):
 //!
-//! - the database is down when `idemkey serve` starts, and goes away later.
+//! - the database is down when `idemkey serve` starts, and goes away later;
+//! - `pg_ctl restart -m fast` and `-m immediate` (crash recovery) under load.
 //!
 //! Each scenario asserts that nothing is duplicated or orphaned (payments, ledger rows and
 //! idempotency records read back from the database), that every operation the client
@@ -16,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::cluster::PgCluster;
-use common::load::{self, Audit};
+use common::load::{self, Audit, Progress};
 use common::{Backend, TOKEN1};
 use idemkey_client::Operation;
 
@@ -172,4 +173,94 @@ async fn serve_starts_without_postgres_and_recovers_by_itself() {
             recovered.as_secs_f64(),
         ),
     });
+}
+
+/// `pg_ctl restart -m MODE` under load: `ops` logical payments (8 at a time, on two `serve`
+/// processes), the restart once a third of them are done; then every operation the client
+/// gave up on is retried with its own key. Asserts no duplicate, no orphan, and every
+/// operation exactly once.
+async fn restart_under_load(mode: &'static str) {
+    let ops = load::scaled(300);
+    let rounds = load::iterations(1);
+    let cluster = cluster().await;
+    blocking({
+        let cluster = cluster.clone();
+        move || {
+            cluster.start();
+            cluster.create_database("chaos");
+        }
+    })
+    .await;
+    let backend = Backend::postgres_at(cluster.url("chaos"));
+    let servers = [
+        backend.start(&["--max-connections", "8"]).await,
+        backend.start(&["--max-connections", "8"]).await,
+    ];
+    let bases: Vec<String> = servers.iter().map(|s| s.base().to_owned()).collect();
+    let client = load::client(load::patient_policy());
+
+    let mut results = Vec::new();
+    let mut restarts = Vec::new();
+    let mut stalls = Vec::new();
+    for round in 0..rounds {
+        let progress = Progress::default();
+        let range = round * ops..(round + 1) * ops;
+        let fault = {
+            let (progress, cluster) = (progress.clone(), cluster.clone());
+            tokio::spawn(async move {
+                progress.until(ops / 3).await;
+                let at = Instant::now();
+                let took = blocking(move || cluster.restart(mode)).await;
+                (at, took)
+            })
+        };
+        let mut round_results = load::payments(&client, &bases, TOKEN1, range, 8, &progress).await;
+        let (fault_at, took) = fault.await.expect("the restart");
+        restarts.push(took);
+        stalls.push(load::longest_stall(&round_results, fault_at));
+        results.append(&mut round_results);
+    }
+    let failed: Vec<String> = results
+        .iter()
+        .filter(|r| !r.succeeded())
+        .map(|r| format!("op-{}: {:?}", r.index, r.outcome))
+        .collect();
+    let before = Audit::postgres(backend.url()).await;
+    before.assert_exactly_once(&results);
+    let fixed = load::retry_failed(&client, &bases[0], TOKEN1, &mut results).await;
+    assert_eq!(
+        fixed,
+        failed.len(),
+        "every failed operation succeeds on retry"
+    );
+    let audit = Audit::postgres(backend.url()).await;
+    audit.assert_exactly_once(&results);
+    audit.assert_all(ops * rounds);
+    let (attempts, retried) = load::attempts(&results);
+    let stall = stalls.iter().max().copied();
+    let restart = restarts.iter().max().copied().unwrap_or_default();
+    load::row(&load::row_of(
+        &format!("PostgreSQL restart -m {mode} under load"),
+        &results,
+        failed.len(),
+        &audit,
+        stall,
+        format!(
+            "{rounds} restart(s), pg_ctl restart took up to {:.2} s; {attempts} attempts, \
+             {retried} operations retried by the client; records = payments = ledger = {}; \
+             client-visible failures: {failed:?}",
+            restart.as_secs_f64(),
+            audit.payments
+        ),
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_fast_under_load_loses_and_duplicates_nothing() {
+    restart_under_load("fast").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_immediate_under_load_loses_and_duplicates_nothing() {
+    restart_under_load("immediate").await;
 }
