@@ -2,17 +2,22 @@
 //! key per logical payment, retried by the client with that key):
 //!
 //! - the database is down when `idemkey serve` starts, and goes away later;
-//! - `pg_ctl restart -m fast` and `-m immediate` (crash recovery) under load.
+//! - `pg_ctl restart -m fast` and `-m immediate` (crash recovery) under load;
+//! - the connection cut right around a `COMMIT` (before it left, after it left, after the
+//!   server answered it), so the server cannot know whether it committed.
 //!
 //! Each scenario asserts that nothing is duplicated or orphaned (payments, ledger rows and
 //! idempotency records read back from the database), that every operation the client
 //! reported successful exists exactly once, and prints one `CHAOS-ROW|…` line with its
 //! figures (`scripts/chaos.sh` runs the longer variants and collects them).
 //!
-//! The scenarios run on a PostgreSQL server of their own (`common::cluster`).
+//! The restart scenarios run on a PostgreSQL server of their own (`common::cluster`); the
+//! COMMIT scenario puts `idemkey_fault_proxy::PgFaultProxy` between `serve` and the shared
+//! test server.
 
 mod common;
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +25,7 @@ use common::cluster::PgCluster;
 use common::load::{self, Audit, Progress};
 use common::{Backend, TOKEN1};
 use idemkey_client::Operation;
+use idemkey_fault_proxy::{CommitCut, PgFaultProxy};
 
 /// How long a condition on an external process may take to show.
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -263,4 +269,118 @@ async fn restart_fast_under_load_loses_and_duplicates_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_immediate_under_load_loses_and_duplicates_nothing() {
     restart_under_load("immediate").await;
+}
+
+/// The address of the test PostgreSQL server in `url`, and the URL through `proxy`.
+fn through(url: &str, proxy: SocketAddr) -> (SocketAddr, String) {
+    let rest = url.split_once("://").expect("a URL").1;
+    let (authority, path) = rest.split_once('/').expect("a database name");
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let server: SocketAddr = host_port.parse().expect("host:port of the test server");
+    let user = authority.rsplit_once('@').map_or("", |(u, _)| u);
+    let path = path.split_once('?').map_or(path, |(p, _)| p);
+    let proxied = format!("postgres://{user}@{proxy}/{path}?sslmode=disable");
+    (server, proxied)
+}
+
+/// The connection between `serve` and PostgreSQL cut right around a `COMMIT`: before it left
+/// (the server rolls back), right after it left (the server commits, nobody hears), after
+/// the server's answer (committed for sure, the answer withheld). In each case the first
+/// attempt gets 503 `store-unavailable`, and the client's retry with the same key settles
+/// it exactly once: executed afresh when nothing committed, replayed when it did. Then
+/// under load, with cuts of every kind armed: every payment exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_cut_off_is_settled_by_the_retry_exactly_once() {
+    let url = blocking(idemkey_testkit::fresh_database_url).await;
+    let (postgres, _) = through(&url, "127.0.0.1:1".parse().unwrap());
+    let probe = PgFaultProxy::start(postgres)
+        .await
+        .expect("the proxy starts");
+    let (_, proxied) = through(&url, probe.addr());
+    let backend = Backend::postgres_at(proxied);
+    let server = backend.start(&["--max-connections", "4"]).await;
+    let client = load::client(load::patient_policy());
+    let base = [server.base().to_owned()];
+
+    let mut cut = 0;
+    let mut single = Vec::new();
+    for (index, how) in [
+        CommitCut::BeforeSend,
+        CommitCut::AfterSend,
+        CommitCut::AfterReply,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        probe.cut_commits(how, 1);
+        let result = load::pay(&client, &base[0], TOKEN1, index, Operation::new()).await;
+        cut += 1;
+        assert!(
+            probe.until_cut(cut, Duration::from_secs(10)).await,
+            "{how:?}: no COMMIT was cut"
+        );
+        let (status, replayed, attempts, _) = result.outcome.clone().expect("settled");
+        assert_eq!(status, 201, "{how:?}");
+        assert!(attempts >= 2, "{how:?}: the first attempt lost its COMMIT");
+        match how {
+            CommitCut::BeforeSend => assert!(!replayed, "nothing committed: run afresh"),
+            CommitCut::AfterReply => assert!(replayed, "committed: the retry replays"),
+            _ => {}
+        }
+        single.push(format!("{how:?}: {attempts} attempts, replayed {replayed}"));
+        let audit = Audit::postgres(&url).await;
+        audit.assert_exactly_once(std::slice::from_ref(&result));
+        audit.assert_all(index + 1);
+    }
+
+    // Under load: 8 at a time, a cut of each kind in turn until `cuts` were made.
+    let ops = load::scaled(150);
+    let cuts = (ops / 10).max(3) as u64;
+    let progress = Progress::default();
+    let cutter = {
+        let (progress, probe) = (progress.clone(), &probe);
+        async move {
+            let kinds = [
+                CommitCut::BeforeSend,
+                CommitCut::AfterSend,
+                CommitCut::AfterReply,
+            ];
+            for i in 0..cuts {
+                probe.cut_commits(kinds[(i % 3) as usize], 1);
+                tokio::select! {
+                    done = probe.until_cut(cut + i + 1, DEADLINE) => assert!(done, "no cut"),
+                    () = progress.until(ops) => return i,
+                }
+            }
+            cuts
+        }
+    };
+    let (mut results, made) = tokio::join!(
+        load::payments(&client, &base, TOKEN1, 3..3 + ops, 8, &progress),
+        cutter
+    );
+    probe.cut_commits(CommitCut::AfterSend, 0);
+    let failed = results.iter().filter(|r| !r.succeeded()).count();
+    let fixed = load::retry_failed(&client, &base[0], TOKEN1, &mut results).await;
+    assert_eq!(fixed, failed);
+    let audit = Audit::postgres(&url).await;
+    audit.assert_exactly_once(&results);
+    audit.assert_all(3 + ops);
+    assert!(made >= cuts.min(3), "only {made} cuts were made under load");
+    let (attempts, retried) = load::attempts(&results);
+    load::row(&load::row_of(
+        "connection cut around COMMIT",
+        &results,
+        failed,
+        &audit,
+        None,
+        format!(
+            "{} COMMITs cut under load (before sending, after sending, after the answer, in \
+             turn) + 3 alone ({}); {attempts} attempts, {retried} operations retried; \
+             records = payments = ledger = {}",
+            made,
+            single.join("; "),
+            audit.payments
+        ),
+    ));
 }
