@@ -354,3 +354,63 @@ async fn a_full_database_refuses_clearly_and_leaves_nothing_half_written() {
 async fn a_read_only_database_refuses_clearly_and_leaves_nothing_half_written() {
     sqlite_fault("SQLite database read-only (query_only)", READ_ONLY).await;
 }
+
+/// The database fills up at the payment's own insert, after the claim found room: the
+/// handler's write fails, and the answer is a 503 that says the database is full (it was a
+/// 500 `internal-error` before), with nothing written; once there is room the retry with the
+/// same key executes once.
+///
+/// Made deterministic with free pages and a trigger: a deleted 1 MiB row leaves free pages
+/// for the claim's small insert, and a trigger on `payments` inserts 8 MiB, more than there
+/// is room for once no page may be added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_full_at_the_payments_own_insert_is_a_503_that_says_so() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let fault = Arc::new(AtomicU8::new(NONE));
+    let (base, url) = faulty_server(dir.path(), fault.clone()).await;
+    let api = Api::new(&base);
+    let mut other = SqliteConnection::connect(&url)
+        .await
+        .expect("open the file");
+    for statement in [
+        "CREATE TABLE filler (b BLOB)",
+        "INSERT INTO filler VALUES (zeroblob(1048576))",
+        "DELETE FROM filler",
+        "CREATE TRIGGER fill AFTER INSERT ON payments BEGIN \
+         INSERT INTO filler VALUES (zeroblob(8388608)); END",
+    ] {
+        sqlx::query(statement)
+            .execute(&mut other)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+    fault.store(FULL, Ordering::SeqCst);
+    let body = load::body(0).to_string();
+    let full = api.pay_ok(TOKEN1, "full-at-payment", &body).await;
+    assert_clear_503(&full, &["store-unavailable"]);
+    assert!(
+        full.json()["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("the database is full")),
+        "{}",
+        full.text()
+    );
+    let mid = Audit::sqlite(&url).await;
+    assert_eq!(
+        (mid.records(), mid.payments, mid.ledger),
+        (0, 0, 0),
+        "nothing written"
+    );
+
+    sqlx::query("DROP TRIGGER fill")
+        .execute(&mut other)
+        .await
+        .expect("drop the trigger");
+    fault.store(NONE, Ordering::SeqCst);
+    let paid = api.pay_ok(TOKEN1, "full-at-payment", &body).await;
+    assert_eq!(paid.status, 201, "{}", paid.text());
+    assert!(!paid.replayed(), "the refused attempt left the key free");
+    let audit = Audit::sqlite(&url).await;
+    audit.assert_all(1);
+    assert_eq!(integrity(&url).await, "ok");
+}
