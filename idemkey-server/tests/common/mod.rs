@@ -27,6 +27,7 @@ use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
 pub(crate) mod cluster;
+pub(crate) mod gateway;
 pub(crate) mod load;
 
 /// Tenant `t1`'s token.
