@@ -416,3 +416,83 @@ async fn a_malformed_key_in_the_status_path_is_a_key_invalid_problem() {
         );
     }
 }
+
+/// Found by the fuzz above (with a pooled client): a request refused for its key (two
+/// `Idempotency-Key` fields) was answered before its body was read, without `Connection:
+/// close`; the server then closed the connection, and the client's next request on it was
+/// reset. On one TCP connection: such a request with a 200 kB body, then `GET /healthz`:
+/// both must be answered, unless the first answer said `Connection: close`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_refused_over_an_unread_body_leaves_the_connection_usable() {
+    use std::io::{Read, Write};
+
+    let setup = setup().await;
+    let address = setup
+        .gateway
+        .base
+        .strip_prefix("http://")
+        .expect("http")
+        .to_owned();
+    for keys in ["idempotency-key: a\r\nidempotency-key: b\r\n", ""] {
+        let address = address.clone();
+        let answers = tokio::task::spawn_blocking(move || {
+            let mut socket = std::net::TcpStream::connect(&address).expect("connect");
+            socket
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .expect("timeout");
+            let body = vec![b'x'; 200_000];
+            let head = format!(
+                "POST /v1/transfers HTTP/1.1\r\nhost: x\r\nauthorization: Bearer tok1\r\n{keys}\
+                 content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                body.len()
+            );
+            socket.write_all(head.as_bytes()).expect("head");
+            let _ = socket.write_all(&body);
+            let first = read_response(&mut socket);
+            let close = first
+                .as_deref()
+                .is_ok_and(|r| r.to_ascii_lowercase().contains("connection: close"));
+            let second = if close {
+                None
+            } else {
+                let _ = socket.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n");
+                Some(read_response(&mut socket))
+            };
+            (first, second)
+        })
+        .await
+        .expect("the raw client");
+        let (first, second) = answers;
+        let first = first.unwrap_or_else(|e| panic!("no answer to the refused request: {e}"));
+        assert!(first.starts_with("HTTP/1.1 4"), "{first}");
+        if let Some(second) = second {
+            let second = second.unwrap_or_else(|e| {
+                panic!("the connection was closed without saying so after: {first}\n({e})")
+            });
+            assert!(second.starts_with("HTTP/1.1 200"), "{second}");
+        }
+    }
+
+    /// One HTTP/1.1 response (head and `content-length` body), as text.
+    fn read_response(socket: &mut std::net::TcpStream) -> Result<String, String> {
+        let mut buf = Vec::new();
+        let mut byte = [0u8; 1];
+        while !buf.ends_with(b"\r\n\r\n") {
+            match socket.read(&mut byte) {
+                Ok(0) => return Err(format!("closed after {} bytes", buf.len())),
+                Ok(_) => buf.push(byte[0]),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        let head = String::from_utf8_lossy(&buf).into_owned();
+        let length: usize = head
+            .lines()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+            .and_then(|(_, v)| v.trim().parse().ok())
+            .unwrap_or(0);
+        let mut body = vec![0u8; length];
+        socket.read_exact(&mut body).map_err(|e| e.to_string())?;
+        Ok(head + &String::from_utf8_lossy(&body))
+    }
+}
