@@ -55,7 +55,7 @@ echo "took:     ${took} s (debug build, tests one at a time); full output: $LOG"
 echo
 echo "| scenario | logical ops | client-visible failures | duplicates | records without effect | effects without record | time to recover | notes |"
 echo "|---|---|---|---|---|---|---|---|"
-grep -a '^CHAOS-ROW|' "$LOG" | cut -d'|' -f2- | sed 's/^/| /; s/$/ |/'
+grep -a -o 'CHAOS-ROW|.*' "$LOG" | cut -d'|' -f2- | sed 's/^/| /; s/$/ |/'
 echo
 grep -a -E '^test result:' "$LOG" | awk '{p += $4; f += $6} END {printf "tests: %d passed, %d failed\n", p, f}'
 exit "$status"
