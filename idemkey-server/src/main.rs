@@ -73,7 +73,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             match connect(&url, max_connections, lock_wait).await? {
                                 Database::Postgres(store) => Ok(store),
                                 Database::Sqlite(_) => {
-                                    anyhow::bail!("{url} is not a PostgreSQL URL")
+                                    anyhow::bail!("not a PostgreSQL URL")
                                 }
                             }
                         }
