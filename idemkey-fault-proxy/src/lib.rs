@@ -7,6 +7,10 @@
 //!   and adds latency as its [`FaultConfig`] says, counting what it did ([`ProxyStats`]);
 //!   the demo puts it in front of the payments API, and tests use it to show that retries
 //!   with the same key are safe.
+//! - [`PgFaultProxy`]: a TCP proxy in front of a PostgreSQL server that cuts a connection
+//!   right around a `COMMIT` ([`CommitCut`]), so the client cannot know whether its
+//!   transaction committed, or cuts every connection at once; tests use it to show that a
+//!   retry with the same key settles such an unknown commit exactly once.
 //! - [`strip_hop_by_hop`]: removes the headers a proxy must not forward; the gateway and
 //!   [`FaultProxy`] both use it.
 //!
@@ -32,7 +36,9 @@
 //! which runs the demo, does not link the test kit.
 
 mod hop;
+mod pg;
 mod proxy;
 
 pub use self::hop::strip_hop_by_hop;
+pub use self::pg::{CommitCut, PgFaultProxy, PgProxyStats};
 pub use self::proxy::{FaultConfig, FaultProxy, ProxyStats};

@@ -3,9 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use idemkey_core::outbox::{Message, OutboxStore};
 use idemkey_core::{Clock, StoreError, SystemClock, Timestamp};
-use futures::StreamExt;
 use rand::Rng;
 use tokio::sync::{Notify, watch};
 

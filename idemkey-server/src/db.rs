@@ -52,6 +52,10 @@ pub trait AppDb: Store + OutboxStore {
         name: &str,
     ) -> impl Future<Output = Result<Option<Vec<u8>>, sqlx::Error>> + Send;
 
+    /// One round trip to the database (`SELECT 1`), for the health check. On PostgreSQL a
+    /// pooled connection the server dropped meanwhile is skipped, as `begin` does.
+    fn ping(&self) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
     /// Runs idemkey's migrations and the payments API's.
     fn migrate_all(&self) -> impl Future<Output = anyhow::Result<()>> + Send;
 
@@ -119,6 +123,11 @@ impl AppDb for SqliteStore {
             .bind(name)
             .fetch_optional(self.pool())
             .await
+    }
+
+    async fn ping(&self) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT 1").execute(self.pool()).await?;
+        Ok(())
     }
 
     async fn migrate_all(&self) -> anyhow::Result<()> {
@@ -217,6 +226,22 @@ impl AppDb for PgStore {
             .bind(name)
             .fetch_optional(self.pool())
             .await
+    }
+
+    async fn ping(&self) -> Result<(), sqlx::Error> {
+        // Connections are not pinged when handed out: after a restart the idle ones are
+        // dead, and each failed try closes one (bounded by the pool size, plus a new one).
+        let attempts = self.pool().options().get_max_connections() + 1;
+        let mut attempt = 1;
+        loop {
+            match sqlx::query("SELECT 1").execute(self.pool()).await {
+                Ok(_) => return Ok(()),
+                Err(e) if attempt < attempts && idemkey_core::is_connection_lost(&e) => {
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     async fn migrate_all(&self) -> anyhow::Result<()> {

@@ -7,7 +7,9 @@
 use std::time::Duration;
 
 use axum::Router;
+use axum::extract::State;
 use axum::middleware::from_fn_with_state;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use idemkey_outbox::OutboxMetrics;
 use idemkey_tower::{InFlightPolicy, Metrics};
@@ -42,7 +44,7 @@ pub use self::auth::ApiKeys;
 pub struct ReadmeDoctests;
 pub use self::db::{AppDb, Payment};
 pub use self::secret::KeySecrets;
-pub use self::serve::{Database, ServeOptions, connect, open_existing, serve};
+pub use self::serve::{Database, ServeOptions, connect, open_existing, serve, serve_with};
 
 /// What the handlers share.
 #[derive(Debug, Clone)]
@@ -53,6 +55,28 @@ pub struct AppState<S> {
     pub simulate_latency: Duration,
     /// Whether each succeeded payment enqueues a `payment.succeeded` outbox message.
     pub emit_messages: bool,
+}
+
+/// How long `GET /healthz` waits for the database before it answers 503.
+const HEALTH_BOUND: Duration = Duration::from_secs(1);
+
+/// `GET /healthz`: 200 `ok` when the database answers a `SELECT 1` within a second, else
+/// 503 `store-unavailable` (problem+json, `Retry-After`): every keyed write would fail too.
+async fn healthz<S: AppDb>(State(db): State<S>) -> Response {
+    match tokio::time::timeout(HEALTH_BOUND, db.ping()).await {
+        Ok(Ok(())) => "ok\n".into_response(),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "health check: the database failed");
+            problem::ApiError::Unavailable("the database is unreachable".to_owned()).into_response()
+        }
+        Err(_) => {
+            tracing::warn!("health check: the database did not answer within {HEALTH_BOUND:?}");
+            problem::ApiError::Unavailable(format!(
+                "the database did not answer within {HEALTH_BOUND:?}"
+            ))
+            .into_response()
+        }
+    }
 }
 
 /// How the payments API applies the idempotency contract.
@@ -77,7 +101,8 @@ pub struct AppConfig {
 /// - `POST /v1/baseline/payments`: the same effect without idempotency, the baseline that
 ///   `idemkey bench` compares against;
 /// - `GET /idempotency/v1/keys/{key}`: the status resource;
-/// - `GET /metrics` (Prometheus text) and `GET /healthz`, without authentication.
+/// - `GET /metrics` (Prometheus text) and `GET /healthz` (200, or 503 problem+json when the
+///   database does not answer), without authentication.
 ///
 /// Keys are hashed with the current secret of `secrets`; during a rotation, records made
 /// under the previous one still answer (the layer and the status resource look there too).
@@ -112,7 +137,7 @@ pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &App
             auth::authenticate,
         ));
     Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz::<S>).with_state(db.clone()))
         .route(
             "/metrics",
             get(move || {

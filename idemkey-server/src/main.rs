@@ -4,7 +4,9 @@ use clap::Parser;
 use idemkey_server::cli::{Cli, Command, GatewayArgs, InFlight, KeysCommand, OutboxCommand};
 use idemkey_server::gateway::{GatewayOptions, RouteRule, Upstream};
 use idemkey_server::secret::check_before_start;
-use idemkey_server::{ServeOptions, connect, keys, open_existing, serve, with_store};
+use idemkey_server::{
+    Database, ServeOptions, connect, keys, open_existing, serve, serve_with, with_store,
+};
 use idemkey_tower::{InFlightPolicy, KeyRequirement};
 use tracing_subscriber::EnvFilter;
 
@@ -61,8 +63,29 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 InFlightPolicy::Wait(bound) => bound,
                 InFlightPolicy::Reject => idemkey_sqlite::SqliteStore::DEFAULT_BUSY_TIMEOUT,
             };
-            let db = connect(&args.db.database_url, args.db.max_connections, lock_wait).await?;
-            with_store!(db, store => serve(store, options).await)
+            let url = args.db.database_url.clone();
+            if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+                // A database server may come up after us: serve 503 until it answers.
+                let max_connections = args.db.max_connections;
+                serve_with(
+                    move || {
+                        let url = url.clone();
+                        async move {
+                            match connect(&url, max_connections, lock_wait).await? {
+                                Database::Postgres(store) => Ok(store),
+                                Database::Sqlite(_) => {
+                                    anyhow::bail!("not a PostgreSQL URL")
+                                }
+                            }
+                        }
+                    },
+                    options,
+                )
+                .await
+            } else {
+                let db = connect(&url, args.db.max_connections, lock_wait).await?;
+                with_store!(db, store => serve(store, options).await)
+            }
         }
         Command::Gateway(args) => {
             check_before_start(

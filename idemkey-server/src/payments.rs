@@ -129,7 +129,13 @@ pub(crate) async fn create_payment<S: AppDb>(
     };
     if let Err(e) = S::insert_payment(&mut tx, &payment).await {
         tracing::error!(error = %e, "writing the payment failed");
-        return ApiError::Internal.into_response();
+        // Rolled back either way; a database that cannot take writes is a 503 that says
+        // why, like the layer's own, not a 500.
+        return match unavailable(&e) {
+            Some(reason) => ApiError::Unavailable(format!("{reason}; the payment was not made")),
+            None => ApiError::Internal,
+        }
+        .into_response();
     }
     if state.emit_messages {
         // `data` is the payment exactly as `GET /v1/payments/{id}` answers it.
@@ -148,6 +154,41 @@ pub(crate) async fn create_payment<S: AppDb>(
         response.headers_mut().insert(header::LOCATION, location);
     }
     response
+}
+
+/// Why the database cannot take a write now, when `error` says it is that (full, read-only,
+/// locked, unreachable) rather than a refused statement. Classified by kind and code.
+fn unavailable(error: &sqlx::Error) -> Option<&'static str> {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
+            Some("the database is unreachable")
+        }
+        sqlx::Error::Database(db) => {
+            let code = db.code()?;
+            if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+                // Primary result codes: the low byte of an extended one.
+                match code.parse::<i32>().ok()? & 0xff {
+                    13 => Some("the database is full"),
+                    8 => Some("the database is read-only"),
+                    5 | 6 => Some("the database is locked by another writer"),
+                    10 => Some("the database file could not be read or written"),
+                    14 => Some("the database file could not be opened"),
+                    _ => None,
+                }
+            } else if code == "53100" {
+                Some("the database's disk is full")
+            } else if code.starts_with("53") {
+                Some("the database is out of resources")
+            } else if code == "25006" {
+                Some("the database is read-only")
+            } else if code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03") {
+                Some("the connection to the database was lost")
+            } else {
+                None
+            }
+        }
+        _ => None,
+    }
 }
 
 /// `GET /v1/payments/{id}`.

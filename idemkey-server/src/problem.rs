@@ -20,6 +20,9 @@ pub(crate) enum ApiError {
     NotFound,
     /// The database failed.
     Internal,
+    /// The database cannot be reached (health check, or a server still starting); the
+    /// detail says which. Answered with `Retry-After`.
+    Unavailable(String),
 }
 
 impl IntoResponse for ApiError {
@@ -40,6 +43,7 @@ impl IntoResponse for ApiError {
                 "the request failed; nothing was executed".to_owned(),
                 None,
             ),
+            Self::Unavailable(detail) => (&problem::STORE_UNAVAILABLE, detail, None),
         };
         let status = StatusCode::from_u16(problem.status)
             .expect("every registered problem type has a valid status");
@@ -57,6 +61,9 @@ impl IntoResponse for ApiError {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         if status == StatusCode::UNAUTHORIZED {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
     }

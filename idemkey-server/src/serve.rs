@@ -1,24 +1,30 @@
 //! `idemkey serve`: the payments API on a socket, with migrations, the purge and graceful
 //! shutdown.
 
+use std::future::{Future, IntoFuture};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
-use idemkey_core::SystemClock;
+use axum::Router;
+use axum::extract::Request;
+use axum::response::IntoResponse;
+use idemkey_core::{StoreError, SystemClock};
 use idemkey_outbox::OutboxMetrics;
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{InFlightPolicy, Metrics, PurgeTask};
 use rand::RngCore;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteSynchronous};
+use tower::ServiceExt;
 
 use crate::cli::{KeySecretArgs, OutboxArgs};
 use crate::outbox::{OutboxSink, spawn_relay};
-use crate::secret::{SecretUse, key_secrets, redacted};
+use crate::problem::ApiError;
+use crate::secret::{KeySecrets, SecretUse, key_secrets, redacted};
 use crate::{ApiKeys, AppConfig, AppDb, app};
 
 /// A connected database of either kind.
@@ -154,23 +160,66 @@ fn demo_keys() -> ApiKeys {
     ApiKeys::new(pairs)
 }
 
-/// Migrates, then serves the payments API until SIGTERM or Ctrl-C; requests in flight then
-/// finish (or roll back) before it returns.
+/// Serves the payments API on `db` until SIGTERM or Ctrl-C (see [`serve_with`]).
 pub async fn serve<S: AppDb>(db: S, options: ServeOptions) -> anyhow::Result<()> {
-    db.migrate_all().await.context("migrations failed")?;
-    let secrets = key_secrets(
-        &db,
-        &options.database_url,
-        &options.secret,
-        SecretUse::Start {
-            in_database: options.key_secret_in_database,
+    serve_with(
+        move || {
+            let db = db.clone();
+            async move { Ok(db) }
         },
+        options,
     )
-    .await?;
+    .await
+}
+
+/// The longest pause between two attempts to reach the database at start.
+const MAX_START_BACKOFF: Duration = Duration::from_secs(2);
+
+/// Listens at once, then reaches the database in the background: `connect`, the migrations
+/// and the key secret, again and again (backing off up to 2 s) for as long as the database
+/// is unreachable. Meanwhile every request, `GET /healthz` included, is answered 503
+/// `store-unavailable` with `Retry-After`; once the database answers, the payments API
+/// serves. An error that is not about reaching the database (a failed migration, a
+/// refused secret) stops the server with that error, as before. Then serves until SIGTERM
+/// or Ctrl-C; requests in flight finish (or roll back) before it returns.
+///
+/// `idemkey listening on http://…` is printed once the first attempt is over: when the
+/// database was reachable, the API is ready then, as it always was; when it was not, the
+/// server answers 503 until it is (`GET /healthz` says which).
+pub async fn serve_with<S, C, F>(connect: C, options: ServeOptions) -> anyhow::Result<()>
+where
+    S: AppDb,
+    C: Fn() -> F + Send + Sync + 'static,
+    F: Future<Output = anyhow::Result<S>> + Send,
+{
     let api_keys = if options.api_keys.is_empty() {
         demo_keys()
     } else {
         options.api_keys.clone()
+    };
+    let listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", options.listen))?;
+    let address = listener.local_addr()?;
+
+    let ready: Arc<OnceLock<Router>> = Arc::new(OnceLock::new());
+    let front = {
+        let ready = ready.clone();
+        Router::new().fallback(move |req: Request| {
+            let ready = ready.clone();
+            async move {
+                match ready.get() {
+                    Some(app) => match app.clone().oneshot(req).await {
+                        Ok(response) => response,
+                        Err(never) => match never {},
+                    },
+                    None => ApiError::Unavailable(
+                        "the server is starting and cannot reach its database yet".to_owned(),
+                    )
+                    .into_response(),
+                }
+            }
+        })
     };
     let metrics = Metrics::new();
     let sink = OutboxSink::from_args(&options.outbox)?;
@@ -182,33 +231,127 @@ pub async fn serve<S: AppDb>(db: S, options: ServeOptions) -> anyhow::Result<()>
         in_flight: options.in_flight,
         outbox: outbox_metrics.clone(),
     };
-    let router = app(db.clone(), &secrets, metrics.clone(), &config);
-    let listener = tokio::net::TcpListener::bind(options.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", options.listen))?;
-    println!("idemkey listening on http://{}", listener.local_addr()?);
-
-    let relay = match (sink, outbox_metrics) {
-        (Some(sink), Some(counters)) => {
-            println!(
-                "outbox: each succeeded payment emits payment.succeeded, delivered to {}",
-                sink.describe()
-            );
-            Some(spawn_relay(db.clone(), sink, &options.outbox, counters))
+    let purge_interval = options.purge_interval;
+    let outbox_args = options.outbox.clone();
+    let mut starting = tokio::spawn(async move {
+        // "listening" is printed once the first attempt is over: at once ready, as before,
+        // or known to wait for the database (a fatal first error prints nothing).
+        let listening = || println!("idemkey listening on http://{address}");
+        let mut announced = false;
+        let mut pause = Duration::from_millis(100);
+        let db = loop {
+            match start(&connect, &options).await {
+                Ok(started) => break started,
+                Err(e) if database_unreachable(&e) => {
+                    if !announced {
+                        listening();
+                        announced = true;
+                    }
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        retry_in = ?pause,
+                        "the database is unreachable; answering 503 until it is"
+                    );
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(MAX_START_BACKOFF);
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let (db, secrets) = db;
+        let router = app(db.clone(), &secrets, metrics.clone(), &config);
+        let _ = ready.set(router);
+        if announced {
+            tracing::info!("the database is reachable and migrated; serving");
+        } else {
+            listening();
         }
-        _ => None,
-    };
-    let purge = PurgeTask::spawn(db, options.purge_interval, metrics, Arc::new(SystemClock));
-    axum::serve(listener, router)
+        let relay = match (sink, outbox_metrics) {
+            (Some(sink), Some(counters)) => {
+                println!(
+                    "outbox: each succeeded payment emits payment.succeeded, delivered to {}",
+                    sink.describe()
+                );
+                Some(spawn_relay(db.clone(), sink, &outbox_args, counters))
+            }
+            _ => None,
+        };
+        let purge = PurgeTask::spawn(db, purge_interval, metrics, Arc::new(SystemClock));
+        Ok((purge, relay))
+    });
+
+    let server = axum::serve(listener, front)
         .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("server failed")?;
+        .into_future();
+    tokio::pin!(server);
+    let (purge, relay) = tokio::select! {
+        done = &mut server => {
+            starting.abort();
+            done.context("server failed")?;
+            println!("idemkey stopped");
+            return Ok(());
+        }
+        started = &mut starting => match started {
+            Ok(Ok(background)) => background,
+            Ok(Err(e)) => return Err(e),
+            Err(e) => anyhow::bail!("the start-up task failed: {e}"),
+        },
+    };
+    server.await.context("server failed")?;
     drop(purge);
     if let Some(relay) = relay {
+        // The round in progress finishes: its deliveries' outcomes are written.
         relay.shutdown().await;
     }
     println!("idemkey stopped");
     Ok(())
+}
+
+/// One attempt at what `serve` needs from the database before it can serve.
+async fn start<S, C, F>(connect: &C, options: &ServeOptions) -> anyhow::Result<(S, KeySecrets)>
+where
+    S: AppDb,
+    C: Fn() -> F,
+    F: Future<Output = anyhow::Result<S>>,
+{
+    let db = connect().await?;
+    db.migrate_all().await.context("migrations failed")?;
+    let secrets = key_secrets(
+        &db,
+        &options.database_url,
+        &options.secret,
+        SecretUse::Start {
+            in_database: options.key_secret_in_database,
+        },
+    )
+    .await?;
+    Ok((db, secrets))
+}
+
+/// Whether `error` says the database could not be reached (refused or lost connection, pool
+/// time-out, a server starting up or shutting down), as opposed to one that answered and
+/// refused: only the former is waited out at start. Classified by kind and SQLSTATE.
+fn database_unreachable(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        if let Some(e) = cause.downcast_ref::<sqlx::Error>() {
+            return match e {
+                sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::Protocol(_) => true,
+                sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+                    // 08: connection exception; 57P01-57P03: admin / crash shutdown,
+                    // cannot connect now (starting up or shutting down).
+                    code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
+                }),
+                _ => false,
+            };
+        }
+        matches!(
+            cause.downcast_ref::<StoreError>(),
+            Some(StoreError::Unavailable(_))
+        )
+    })
 }
 
 pub(crate) async fn shutdown_signal() {

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use axum::Json;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -98,13 +99,43 @@ pub(crate) fn router<S: Store>(
         })
 }
 
+/// `%XX` sequences decoded to their bytes; anything else kept as is.
+fn percent_decode(segment: &str) -> Vec<u8> {
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%'
+            && let (Some(hi), Some(lo)) = (
+                bytes.get(i + 1).copied().and_then(hex),
+                bytes.get(i + 2).copied().and_then(hex),
+            )
+        {
+            out.push((hi * 16 + lo) as u8);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
 async fn key_status<S: Store>(
     State(state): State<StatusState<S>>,
     tenant: Option<axum::Extension<Tenant>>,
-    Path(key): Path<String>,
+    uri: http::Uri,
+    key: Result<Path<String>, PathRejection>,
 ) -> Response {
     let tenant = tenant.map_or_else(|| Tenant::DEFAULT.to_owned(), |t| t.0.0);
-    let key = match IdempotencyKey::parse(key.as_bytes()) {
+    // A key that does not decode to UTF-8 is refused by `Path` with a plain-text 400; it is
+    // a malformed key like any other, answered as one (problem+json, the byte named).
+    let key = match key {
+        Ok(Path(key)) => key.into_bytes(),
+        Err(_) => percent_decode(uri.path().rsplit('/').next().unwrap_or_default()),
+    };
+    let key = match IdempotencyKey::parse(&key) {
         Ok(key) => key,
         Err(e) => return IdempotencyRejection::KeyInvalid(e).into_response(),
     };

@@ -26,6 +26,10 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
+pub(crate) mod cluster;
+pub(crate) mod gateway;
+pub(crate) mod load;
+
 /// Tenant `t1`'s token.
 pub(crate) const TOKEN1: &str = "tok1";
 /// Tenant `t2`'s token.

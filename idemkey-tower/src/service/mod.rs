@@ -96,14 +96,14 @@ where
             let fields = req.headers().get_all(HEADER_NAME);
             match IdempotencyKey::from_fields(fields.iter().map(HeaderValue::as_bytes)) {
                 Ok(key) => key,
-                Err(e) => return refused(&config, IdempotencyRejection::KeyInvalid(e)),
+                Err(e) => return refused(&config, req, IdempotencyRejection::KeyInvalid(e)).await,
             }
         }
     };
     match key {
         Some(key) => Keyed::new(layer, key).run(inner, req).await,
         None if config.requirement == KeyRequirement::Required => {
-            refused(&config, IdempotencyRejection::KeyMissing)
+            refused(&config, req, IdempotencyRejection::KeyMissing).await
         }
         // Without a key there is nothing to reserve: the handler calls out unprotected.
         None if config.external.is_some() => call(inner, req).await,
@@ -112,10 +112,25 @@ where
 }
 
 /// A keyed request refused before any claim.
-fn refused(config: &Config, rejection: IdempotencyRejection) -> Response {
+///
+/// Its body is read (and dropped) first, within the route's limit as a keyed request's
+/// would be: an answer given over an unread body makes the server close the connection
+/// without saying so, and a client that reuses it fails its next request. A body over the
+/// limit is not read; the answer then says `Connection: close`.
+async fn refused(config: &Config, req: Request<Body>, rejection: IdempotencyRejection) -> Response {
     config.metrics.attempt();
     config.metrics.record(Outcome::Rejected, Duration::ZERO);
-    rejection.into_response()
+    let (parts, body) = req.into_parts();
+    let drained = body::read_body(&parts.headers, body, config.max_request_body)
+        .await
+        .is_ok();
+    let mut response = rejection.into_response();
+    if !drained {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
 }
 
 async fn call<I>(mut inner: I, req: Request<Body>) -> Response

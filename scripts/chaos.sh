@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The chaos suite's longer variants, and one table row per scenario.
+#
+# Runs the chaos tests (idemkey-server/tests/chaos_*.rs, gateway_bad_input.rs and
+# idemkey-client/tests/horizon.rs) one at a time with larger figures, collects the
+# `CHAOS-ROW|…` line each scenario prints, and prints them as a Markdown table with the date,
+# the machine, the commit and the command: what docs/reliability.md quotes.
+#
+#   CHAOS_OPS=3000          logical payments per load scenario (CI: 300 / 150 / 20)
+#   CHAOS_ITERATIONS=3      PostgreSQL restarts per restart scenario (CI: 1)
+#   IDEMKEY_FUZZ_CASES=20000  random requests through the gateway (CI: 1000)
+#   CHAOS_LOG=path          where the full test output goes (default: a temporary file)
+#
+# Needs what `cargo test --workspace` needs (README, "Requirements"): the PostgreSQL server
+# binaries; the restart scenarios start servers of their own. Exits non-zero if any scenario
+# failed; the table then shows only the scenarios that got to print their row.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export CHAOS_OPS=${CHAOS_OPS:-3000}
+export CHAOS_ITERATIONS=${CHAOS_ITERATIONS:-3}
+export IDEMKEY_FUZZ_CASES=${IDEMKEY_FUZZ_CASES:-20000}
+LOG=${CHAOS_LOG:-$(mktemp -t idemkey-chaos.XXXXXX)}
+: >"$LOG"
+
+server_tests=(chaos_postgres chaos_sqlite chaos_gateway gateway_bad_input)
+build_args=()
+for t in "${server_tests[@]}"; do build_args+=(--test "$t"); done
+echo "building the chaos tests…" >&2
+cargo test -q -p idemkey-server "${build_args[@]}" --no-run 2>>"$LOG"
+cargo test -q -p idemkey-client --test horizon --no-run 2>>"$LOG"
+
+status=0
+started=$(date +%s)
+run() { # $1 = package, $2 = test target
+  echo "running $2…" >&2
+  if ! cargo test -q -p "$1" --test "$2" -- --nocapture --test-threads=1 >>"$LOG" 2>&1; then
+    echo "FAILED: $2 (see $LOG)" >&2
+    status=1
+  fi
+}
+for t in "${server_tests[@]}"; do run idemkey-server "$t"; done
+run idemkey-client horizon
+took=$(($(date +%s) - started))
+
+cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
+mem=$(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)
+commit=$(git rev-parse --short HEAD)
+git diff --quiet HEAD -- . 2>/dev/null || commit="$commit (with uncommitted changes)"
+echo "date:     $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "machine:  $(nproc) cores ($cpu), $mem RAM, $(uname -sr)"
+echo "commit:   $commit"
+echo "command:  CHAOS_OPS=$CHAOS_OPS CHAOS_ITERATIONS=$CHAOS_ITERATIONS IDEMKEY_FUZZ_CASES=$IDEMKEY_FUZZ_CASES scripts/chaos.sh"
+echo "took:     ${took} s (debug build, tests one at a time); full output: $LOG"
+echo
+echo "| scenario | logical ops | client-visible failures | duplicates | records without effect | effects without record | time to recover | notes |"
+echo "|---|---|---|---|---|---|---|---|"
+grep -a -o 'CHAOS-ROW|.*' "$LOG" | cut -d'|' -f2- | sed 's/^/| /; s/$/ |/'
+echo
+grep -a -E '^test result:' "$LOG" | awk '{p += $4; f += $6} END {printf "tests: %d passed, %d failed\n", p, f}'
+exit "$status"
