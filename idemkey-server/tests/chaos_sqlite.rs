@@ -224,6 +224,7 @@ async fn faulty_server(dir: &std::path::Path, fault: Arc<AtomicU8>) -> (String, 
         simulate_latency: Duration::ZERO,
         retention: Duration::from_secs(24 * 3600),
         in_flight: InFlightPolicy::default(),
+        outbox: None,
     };
     let router = app(
         store,
