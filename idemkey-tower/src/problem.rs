@@ -56,6 +56,15 @@ pub enum IdempotencyRejection {
         /// When to try again.
         retry_after: Duration,
     },
+    /// The store failed while committing: the request may or may not have been executed. A
+    /// retry with the same key learns which (it replays the stored outcome, or executes).
+    #[error(
+        "the idempotency store failed while committing; the request may have been executed: retry with the same Idempotency-Key to learn its outcome"
+    )]
+    CommitUnknown {
+        /// When to try again.
+        retry_after: Duration,
+    },
     /// The store did not grant its lock in time (SQLite: the single write lock, held by any
     /// request); nothing was executed.
     #[error("the idempotency store is busy; the request was not executed")]
@@ -116,7 +125,9 @@ impl IdempotencyRejection {
             Self::KeyReused(_) => &problem::KEY_REUSED,
             Self::InFlight { .. } => &problem::REQUEST_IN_FLIGHT,
             Self::OutcomeUnknown { .. } => &problem::OUTCOME_UNKNOWN,
-            Self::StoreUnavailable { .. } => &problem::STORE_UNAVAILABLE,
+            Self::StoreUnavailable { .. } | Self::CommitUnknown { .. } => {
+                &problem::STORE_UNAVAILABLE
+            }
             Self::StoreBusy { .. } => &problem::STORE_BUSY,
             Self::ResponseTooLarge { .. } => &problem::RESPONSE_TOO_LARGE,
             Self::Internal => &problem::INTERNAL_ERROR,
@@ -161,6 +172,7 @@ impl IntoResponse for IdempotencyRejection {
             }
             Self::InFlight { retry_after: r }
             | Self::StoreUnavailable { retry_after: r }
+            | Self::CommitUnknown { retry_after: r }
             | Self::StoreBusy { retry_after: r }
             | Self::UpstreamUnavailable { retry_after: r } => {
                 retry_after = Some(r.as_secs().max(1));

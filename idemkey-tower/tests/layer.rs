@@ -853,3 +853,53 @@ async fn spawned_purge_deletes_expired_records() {
         metrics.render()
     );
 }
+
+/// A `COMMIT` that fails leaves the outcome unknown to the layer: the answer is 503
+/// `store-unavailable` saying the request may have been executed and to retry with the same
+/// key, never that nothing was executed. (Here a deferred foreign key fails the commit, so
+/// nothing was, and the retry executes.)
+#[tokio::test]
+async fn a_failed_commit_says_the_outcome_is_unknown() {
+    let (_dir, store) = setup().await;
+    sqlx::query(
+        "CREATE TABLE parents (id INTEGER PRIMARY KEY);
+         CREATE TABLE children (parent INTEGER NOT NULL
+             REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    async fn orphan(mut tx: Tx<SqliteStore>, body: Bytes) -> StatusCode {
+        let parent: i64 = if body.as_ref() == b"orphan" { 7 } else { 1 };
+        if parent == 1 {
+            sqlx::query("INSERT OR IGNORE INTO parents (id) VALUES (1)")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+        }
+        sqlx::query("INSERT INTO children (parent) VALUES (?1)")
+            .bind(parent)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        StatusCode::CREATED
+    }
+    let app = Router::new().route(ROUTE, post(orphan).layer(layer(&store).required()));
+    let failed = send(&app, request(Some("k-commit"), "orphan")).await;
+    let problem = failed.problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable");
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(detail.contains("may have been executed"), "{detail}");
+    assert!(detail.contains("same Idempotency-Key"), "{detail}");
+    assert!(failed.header("retry-after").is_some());
+    let children: i64 = sqlx::query_scalar("SELECT count(*) FROM children")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(children, 0, "the failed commit left nothing");
+    let retried = send(&app, request(Some("k-commit"), "orphan")).await;
+    assert_eq!(
+        retried.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "nothing stored: executed again"
+    );
+}

@@ -112,7 +112,11 @@ where
     }
     if let Err(e) = store.commit(tx).await {
         // The commit may or may not have happened; a retry replays or runs afresh.
-        return keyed.finish(Outcome::StoreError, store_unavailable(&e));
+        tracing::warn!(error = %e, "committing the outcome failed; the outcome is unknown");
+        let answer = IdempotencyRejection::CommitUnknown {
+            retry_after: super::RETRY_AFTER,
+        };
+        return keyed.finish(Outcome::StoreError, answer);
     }
     keyed.cache_completed(&claim.id, &claim.fingerprint, &captured.stored, expires_at);
     keyed.finish(Outcome::Executed, captured.into_response(Some(expires_at)))
