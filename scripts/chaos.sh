@@ -2,7 +2,8 @@
 # The chaos suite's longer variants, and one table row per scenario.
 #
 # Runs the chaos tests (idemkey-server/tests/chaos_*.rs, gateway_bad_input.rs and
-# idemkey-client/tests/horizon.rs) one at a time with larger figures, collects the
+# idemkey-client/tests/horizon.rs) one at a time with larger figures, then
+# scripts/retry_storm.sh on the debug build they made, collects the
 # `CHAOS-ROW|…` line each scenario prints, and prints them as a Markdown table with the date,
 # the machine, the commit and the command: what docs/reliability.md quotes.
 #
@@ -41,6 +42,11 @@ run() { # $1 = package, $2 = test target
 }
 for t in "${server_tests[@]}"; do run idemkey-server "$t"; done
 run idemkey-client horizon
+echo "running the retry storm…" >&2
+if ! BIN=$PWD/target/debug/idemkey scripts/retry_storm.sh >>"$LOG" 2>&1; then
+  echo "FAILED: scripts/retry_storm.sh (see $LOG)" >&2
+  status=1
+fi
 took=$(($(date +%s) - started))
 
 cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
