@@ -3,7 +3,7 @@
 #
 # Runs the chaos tests (idemkey-server/tests/chaos_*.rs, gateway_bad_input.rs and
 # idemkey-client/tests/horizon.rs) one at a time with larger figures, then
-# scripts/retry_storm.sh on the debug build they made, collects the
+# scripts/failover.sh and scripts/retry_storm.sh, collects the
 # `CHAOS-ROW|…` line each scenario prints, and prints them as a Markdown table with the date,
 # the machine, the commit and the command: what docs/reliability.md quotes.
 #
@@ -11,6 +11,8 @@
 #   CHAOS_ITERATIONS=3      PostgreSQL restarts per restart scenario (CI: 1)
 #   IDEMKEY_FUZZ_CASES=20000  random requests through the gateway (CI: 1000)
 #   CHAOS_LOG=path          where the full test output goes (default: a temporary file)
+#   CHAOS_FAILOVER=1        also run scripts/failover.sh (installs pg_auto_failover when
+#                           missing; a few minutes); 0 skips it
 #
 # Needs what `cargo test --workspace` needs (README, "Requirements"): the PostgreSQL server
 # binaries; the restart scenarios start servers of their own. Exits non-zero if any scenario
@@ -42,6 +44,13 @@ run() { # $1 = package, $2 = test target
 }
 for t in "${server_tests[@]}"; do run idemkey-server "$t"; done
 run idemkey-client horizon
+if [[ ${CHAOS_FAILOVER:-1} == 1 ]]; then
+  echo "running the failover (pg_auto_failover; CHAOS_FAILOVER=0 skips it)…" >&2
+  if ! FAILOVER_RAW_ROWS=1 FAILOVER_OPS=$CHAOS_OPS scripts/failover.sh >>"$LOG" 2>&1; then
+    echo "FAILED: scripts/failover.sh (see $LOG)" >&2
+    status=1
+  fi
+fi
 echo "running the retry storm…" >&2
 if ! BIN=$PWD/target/debug/idemkey scripts/retry_storm.sh >>"$LOG" 2>&1; then
   echo "FAILED: scripts/retry_storm.sh (see $LOG)" >&2
