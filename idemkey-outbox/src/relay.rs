@@ -273,6 +273,13 @@ impl<S: OutboxStore, K: Sink> Relay<S, K> {
     /// find a full batch, otherwise after [`RelayConfig::poll`] or a
     /// [`wake`](RelayTask::wake). A failing store is retried after the poll interval.
     pub fn spawn(self) -> RelayTask {
+        if self.config.claim <= self.config.delivery_timeout {
+            tracing::warn!(
+                claim = ?self.config.claim,
+                delivery_timeout = ?self.config.delivery_timeout,
+                "the relay's claim does not outlast a delivery: another relay may deliver the same message at the same time"
+            );
+        }
         let wake = Arc::new(Notify::new());
         let (report, rounds) = watch::channel(Round::default());
         let (stop_tx, mut stop) = watch::channel(false);

@@ -90,6 +90,15 @@ struct Inner {
     waiting_in_process: AtomicU64,
 }
 
+/// One request counted in `idemkey_waiting_in_process` while it lives.
+pub(crate) struct Waiting(Arc<Inner>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting_in_process.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// The layer's metrics. Cheap to clone; share one between the layers of an application and
 /// render it at `/metrics`.
 #[derive(Debug, Clone, Default)]
@@ -207,18 +216,13 @@ impl Metrics {
         self.inner.replay_cache_hits.load(Ordering::Relaxed)
     }
 
-    /// Counts a request that starts waiting, in memory, for another attempt of its key in
-    /// this process; [`stopped_waiting`](Self::stopped_waiting) when it stops.
-    pub(crate) fn started_waiting(&self) {
+    /// Counts a request waiting, in memory, for another attempt of its key in this process,
+    /// until the returned guard is dropped.
+    pub(crate) fn waiting(&self) -> Waiting {
         self.inner
             .waiting_in_process
             .fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub(crate) fn stopped_waiting(&self) {
-        self.inner
-            .waiting_in_process
-            .fetch_sub(1, Ordering::Relaxed);
+        Waiting(self.inner.clone())
     }
 
     /// Requests waiting now, in memory and without a database connection, for another

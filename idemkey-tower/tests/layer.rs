@@ -903,3 +903,51 @@ async fn a_failed_commit_says_the_outcome_is_unknown() {
         "nothing stored: executed again"
     );
 }
+
+/// A duplicate that waits in memory for the first attempt is counted in
+/// `idemkey_waiting_in_process` while it waits, and no longer once its request is dropped
+/// (the client hung up) or answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_waiting_in_memory_is_counted_until_it_goes() {
+    let (_dir, store) = setup().await;
+    let metrics = Metrics::new();
+    let app = app(layer(&store).required().metrics(metrics.clone()));
+    let body = r#"{"status": 201}"#;
+    let gate = Gate::new();
+    let owner = {
+        let (app, gate) = (app.clone(), gate.clone());
+        let mut req = request(Some("k-wait"), body);
+        req.extensions_mut().insert(gate);
+        tokio::spawn(async move { send(&app, req).await })
+    };
+    gate.entered.notified().await;
+    let hung_up = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, request(Some("k-wait"), body)).await })
+    };
+    let waiting = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, request(Some("k-wait"), body)).await })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(4);
+    while metrics.waiting_in_process() < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the duplicates never waited"
+        );
+        tokio::task::yield_now().await;
+    }
+    hung_up.abort();
+    assert!(hung_up.await.is_err_and(|e| e.is_cancelled()));
+    assert_eq!(
+        metrics.waiting_in_process(),
+        1,
+        "the dropped request is no longer counted"
+    );
+    gate.proceed.add_permits(1);
+    let first = owner.await.unwrap();
+    let second = waiting.await.unwrap();
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(metrics.waiting_in_process(), 0);
+}

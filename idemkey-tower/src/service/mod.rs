@@ -251,9 +251,11 @@ impl<S: Store> Keyed<S> {
                 Turn::Wait(done) => done,
             };
             waited = true;
-            config.metrics.started_waiting();
-            let ended = tokio::time::timeout_at(deadline, coalesce::ended(done)).await;
-            config.metrics.stopped_waiting();
+            let ended = {
+                // Counted while waiting, also when the request is dropped mid-wait.
+                let _waiting = config.metrics.waiting();
+                tokio::time::timeout_at(deadline, coalesce::ended(done)).await
+            };
             if ended.is_err() {
                 return Err(self.answer(ClaimOutcome::InFlight {
                     lease_expires_at: None,
