@@ -8,10 +8,9 @@
 //! to close it before any effect. `GET /v1/transfers?idempotency_key=K` answers 200 with the
 //! transfer when it exists and 404 otherwise: what the reconciler asks.
 
+mod common;
+
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -25,6 +24,8 @@ use axum::routing::post;
 use futures::future::join_all;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
+
+use common::gateway::Gateway;
 
 const TOKEN: &str = "tok1";
 const TENANT: &str = "t1";
@@ -304,162 +305,18 @@ impl Db {
 
     /// Starts `idemkey gateway` on this database in front of `upstream`, with tenant `t1`.
     async fn gateway(&self, upstream: &str, extra: &[&str]) -> Gateway {
-        let mut args: Vec<String> = [
-            "gateway",
-            "--listen",
-            "127.0.0.1:0",
-            "--database-url",
-            &self.url,
-            "--upstream",
-            upstream,
-            "--api-key",
-            "t1=tok1",
-        ]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
-        args.extend(extra.iter().map(|s| (*s).to_owned()));
-        let log = self
-            .dir
-            .path()
-            .join(format!("gateway-{}.log", rand_suffix()));
-        tokio::task::spawn_blocking(move || Gateway::spawn(args, log))
-            .await
-            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+        Gateway::start(&self.url, upstream, self.dir.path(), extra).await
     }
 
     /// Runs `idemkey keys …` on this database; returns (success, stdout, stderr).
     async fn keys(&self, args: &[&str]) -> (bool, String, String) {
-        let mut all: Vec<String> = vec!["keys".into(), args[0].into()];
-        all.extend(["--database-url".into(), self.url.clone()]);
-        all.extend(args[1..].iter().map(|s| (*s).to_owned()));
-        tokio::task::spawn_blocking(move || {
-            let output = Command::new(env!("CARGO_BIN_EXE_idemkey"))
-                .args(&all)
-                .env_remove("IDEMKEY_API_KEYS")
-                .env_remove("IDEMKEY_KEY_SECRET")
-                .envs(postgres_secret(all.iter().map(String::as_str)))
-                .env_remove("IDEMKEY_DATABASE_URL")
-                .env("USER", "alice")
-                .stdin(Stdio::null())
-                .output()
-                .expect("run idemkey keys");
-            (
-                output.status.success(),
-                String::from_utf8_lossy(&output.stdout).into_owned(),
-                String::from_utf8_lossy(&output.stderr).into_owned(),
-            )
-        })
-        .await
-        .expect("keys task")
+        common::gateway::keys(&self.url, args).await
     }
 }
 
-/// The key secret the tests give `serve`, `gateway` and `keys` on PostgreSQL, where one is
-/// required (SQLite tests use the database-kept default): as `IDEMKEY_KEY_SECRET`.
-fn postgres_secret<'a>(
-    args: impl IntoIterator<Item = &'a str>,
-) -> Vec<(&'static str, &'static str)> {
-    if args.into_iter().any(|a| a.starts_with("postgres")) {
-        vec![(
-            "IDEMKEY_KEY_SECRET",
-            "a test secret, apart from the database",
-        )]
-    } else {
-        Vec::new()
-    }
-}
-
-fn rand_suffix() -> usize {
-    static STARTED: AtomicUsize = AtomicUsize::new(0);
-    STARTED.fetch_add(1, Ordering::SeqCst)
-}
-
-/// A running gateway; SIGKILLed when dropped.
-struct Gateway {
-    child: Option<Child>,
-    base: String,
-    log: PathBuf,
-}
-
-impl Gateway {
-    fn spawn(args: Vec<String>, log: PathBuf) -> Self {
-        let stderr = std::fs::File::create(&log).expect("log file");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_idemkey"))
-            .args(&args)
-            .env_remove("IDEMKEY_API_KEYS")
-            .env_remove("IDEMKEY_KEY_SECRET")
-            .envs(postgres_secret(args.iter().map(String::as_str)))
-            .env_remove("IDEMKEY_DATABASE_URL")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .expect("start idemkey gateway");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut tx = Some(tx);
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Some(base) = line.strip_prefix("idemkey gateway listening on ")
-                    && let Some(tx) = tx.take()
-                {
-                    let _ = tx.send(base.trim().to_owned());
-                }
-            }
-        });
-        let mut gateway = Self {
-            child: Some(child),
-            base: String::new(),
-            log,
-        };
-        match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(base) => {
-                assert!(base.starts_with("http://127.0.0.1:"), "{base}");
-                gateway.base = base;
-                gateway
-            }
-            Err(e) => {
-                gateway.kill9();
-                panic!("the gateway did not start ({e}):\n{}", gateway.log_text());
-            }
-        }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([signal, &self.pid().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {signal}");
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn client(&self) -> Client {
-        Client::new(&self.base)
-    }
-}
-
-impl Drop for Gateway {
-    fn drop(&mut self) {
-        self.kill9();
-    }
+/// A client of `gateway`.
+fn client_of(gateway: &Gateway) -> Client {
+    Client::new(&gateway.base)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -628,7 +485,7 @@ async fn until_reserved(client: &Client, key: &str) {
 async fn race(upstream: &Upstream, gateways: &[&Gateway]) {
     const KEYS: usize = 200;
     const COPIES: usize = 16;
-    let clients: Vec<Client> = gateways.iter().map(|g| g.client()).collect();
+    let clients: Vec<Client> = gateways.iter().map(|g| client_of(&g)).collect();
     let limit = Arc::new(Semaphore::new(64));
     let tasks = (0..KEYS * COPIES).map(|i| {
         let (k, client, limit) = (
@@ -728,9 +585,9 @@ async fn killed_before_forwarding_is_taken_over() {
             &["--lease", "1s", "--simulate-delay-before-forward", "2000"],
         )
         .await;
-    let client = first.client();
+    let client = client_of(&first);
     let pending = tokio::spawn(async move { client.try_transfer("crash-before", 7).await });
-    until_reserved(&first.client(), "crash-before").await;
+    until_reserved(&client_of(&first), "crash-before").await;
     first.kill9();
     assert!(
         pending.await.expect("task").is_err(),
@@ -740,12 +597,12 @@ async fn killed_before_forwarding_is_taken_over() {
 
     let second = db.gateway(&upstream.base, &["--lease", "1s"]).await;
     let started = Instant::now();
-    let answer = until_final(&second.client(), "crash-before", 7).await;
+    let answer = until_final(&client_of(&second), "crash-before", 7).await;
     assert_eq!(answer.status, 201, "{}", answer.text());
     assert!(!answer.replayed(), "the retry executed");
     assert!(started.elapsed() < Duration::from_secs(5));
     assert_eq!(upstream.effects("crash-before"), 1);
-    let again = second.client().transfer("crash-before", 7).await;
+    let again = client_of(&second).transfer("crash-before", 7).await;
     assert!(again.replayed());
     assert_eq!(again.body, answer.body);
     assert_eq!(upstream.effects("crash-before"), 1);
@@ -760,7 +617,7 @@ async fn killed_after_forwarding_is_unknown_until_reconciled() {
     let db = Db::sqlite();
     upstream.on_next("crash-after", Behaviour::Delay(Duration::from_secs(2)));
     let mut first = db.gateway(&upstream.base, &["--lease", "1s"]).await;
-    let client = first.client();
+    let client = client_of(&first);
     let pending = tokio::spawn(async move { client.try_transfer("crash-after", 9).await });
     upstream.until_effects("crash-after", 1).await;
     first.kill9(); // the upstream is still working on its answer
@@ -770,7 +627,7 @@ async fn killed_after_forwarding_is_unknown_until_reconciled() {
     let second = db.gateway(&upstream.base, &["--lease", "1s"]).await;
     tokio::time::sleep(Duration::from_millis(1100)).await; // the lease lapses
     for _ in 0..3 {
-        let answer = second.client().transfer("crash-after", 9).await;
+        let answer = client_of(&second).transfer("crash-after", 9).await;
         answer.assert_problem(409, "outcome-unknown");
         assert_eq!(
             answer.json()["status_url"],
@@ -778,8 +635,7 @@ async fn killed_after_forwarding_is_unknown_until_reconciled() {
         );
         assert!(answer.header("link").is_some());
     }
-    let status = second
-        .client()
+    let status = client_of(&second)
         .get("/idempotency/v1/keys/crash-after")
         .await;
     assert_eq!(status.status, 200, "{}", status.text());
@@ -801,7 +657,7 @@ async fn killed_after_forwarding_is_unknown_until_reconciled() {
         .await;
     let deadline = Instant::now() + Duration::from_secs(10);
     let answer = loop {
-        let answer = reconciling.client().transfer("crash-after", 9).await;
+        let answer = client_of(&reconciling).transfer("crash-after", 9).await;
         if answer.status != 409 || Instant::now() > deadline {
             break answer;
         }
@@ -817,8 +673,7 @@ async fn killed_after_forwarding_is_unknown_until_reconciled() {
     assert_eq!(answer.json()["id"], "tr_1");
     assert_eq!(upstream.effects("crash-after"), 1);
     assert_eq!(
-        reconciling
-            .client()
+        client_of(&reconciling)
             .metric("idemkey_reconciled_total{result=\"resolved_completed\"}")
             .await,
         1
@@ -838,13 +693,13 @@ async fn operator_releases_an_unknown_outcome() {
     let db = Db::sqlite();
     let gw = db.gateway(&upstream.base, &[]).await;
     upstream.on_next("dropped", Behaviour::DropBeforeEffect);
-    let first = gw.client().transfer("dropped", 5).await;
+    let first = client_of(&gw).transfer("dropped", 5).await;
     first.assert_problem(504, "upstream-outcome-unknown");
-    let retry = gw.client().transfer("dropped", 5).await;
+    let retry = client_of(&gw).transfer("dropped", 5).await;
     retry.assert_problem(409, "outcome-unknown");
     assert_eq!(upstream.effects("dropped"), 0);
     assert_eq!(
-        gw.client()
+        client_of(&gw)
             .metric("idemkey_marked_indeterminate_total")
             .await,
         1
@@ -875,7 +730,7 @@ async fn operator_releases_an_unknown_outcome() {
         "{out}"
     );
 
-    let executed = gw.client().transfer("dropped", 5).await;
+    let executed = client_of(&gw).transfer("dropped", 5).await;
     assert_eq!(executed.status, 201, "{}", executed.text());
     assert!(!executed.replayed());
     assert_eq!(upstream.effects("dropped"), 1);
@@ -917,14 +772,14 @@ async fn timeouts_and_resets_are_unknown_not_re_executed() {
     upstream.on_next("slow", Behaviour::Delay(Duration::from_millis(1200)));
     upstream.on_next("reset", Behaviour::DropAfterEffect);
     for key in ["slow", "reset"] {
-        let first = gw.client().transfer(key, 1).await;
+        let first = client_of(&gw).transfer(key, 1).await;
         first.assert_problem(504, "upstream-outcome-unknown");
         assert_eq!(
             first.json()["status_url"],
             format!("/idempotency/v1/keys/{key}")
         );
         for _ in 0..2 {
-            gw.client()
+            client_of(&gw)
                 .transfer(key, 1)
                 .await
                 .assert_problem(409, "outcome-unknown");
@@ -939,7 +794,7 @@ async fn timeouts_and_resets_are_unknown_not_re_executed() {
         "retries never reached the upstream"
     );
     assert_eq!(
-        gw.client()
+        client_of(&gw)
             .metric("idemkey_marked_indeterminate_total")
             .await,
         2
@@ -957,14 +812,14 @@ async fn refused_connection_releases_the_key() {
         format!("http://{}", listener.local_addr().expect("addr"))
     }; // the listener is closed here: connections are refused
     let down = db.gateway(&closed, &[]).await;
-    let answer = down.client().transfer("refused", 3).await;
+    let answer = client_of(&down).transfer("refused", 3).await;
     answer.assert_problem(503, "upstream-unavailable");
     assert_eq!(answer.header("retry-after"), Some("1"));
-    let status = down.client().get("/idempotency/v1/keys/refused").await;
+    let status = client_of(&down).get("/idempotency/v1/keys/refused").await;
     assert_eq!(status.status, 404, "released: {}", status.text());
 
     let up = db.gateway(&upstream.base, &[]).await;
-    let answer = up.client().transfer("refused", 3).await;
+    let answer = client_of(&up).transfer("refused", 3).await;
     assert_eq!(answer.status, 201, "{}", answer.text());
     assert!(!answer.replayed());
     assert_eq!(upstream.effects("refused"), 1);
@@ -986,12 +841,12 @@ async fn stale_owner_cannot_overwrite_the_newer_outcome() {
             &["--lease", "1s", "--simulate-delay-before-forward", "1500"],
         )
         .await;
-    let client = stale.client();
+    let client = client_of(&stale);
     let pending = tokio::spawn(async move { client.transfer("stale", 4).await });
-    until_reserved(&stale.client(), "stale").await;
+    until_reserved(&client_of(&stale), "stale").await;
     stale.signal("-STOP");
     let fresh = db.gateway(&upstream.base, &["--lease", "1s"]).await;
-    let answer = until_final(&fresh.client(), "stale", 4).await;
+    let answer = until_final(&client_of(&fresh), "stale", 4).await;
     assert_eq!(answer.status, 201, "{}", answer.text());
     assert!(!answer.replayed());
     stale.signal("-CONT");
@@ -1002,7 +857,7 @@ async fn stale_owner_cannot_overwrite_the_newer_outcome() {
         1,
         "the stale owner never forwarded"
     );
-    let replay = stale.client().transfer("stale", 4).await;
+    let replay = client_of(&stale).transfer("stale", 4).await;
     assert!(replay.replayed());
     assert_eq!(replay.body, answer.body, "the newer outcome stands");
 }
@@ -1018,7 +873,7 @@ async fn unkeyed_requests_pass_through() {
             &["--route", "POST /v1/*", "--optional-route", "PUT /v1/*"],
         )
         .await;
-    let c = gw.client();
+    let c = client_of(&gw);
     let got = c.get("/v1/anything?x=1").await;
     assert_eq!(got.status, 200);
     assert_eq!(got.text(), "upstream saw GET /v1/anything");
@@ -1084,7 +939,7 @@ async fn tenants_from_credentials_without_api_keys() {
     let gw = tokio::task::spawn_blocking(move || Gateway::spawn(args, log))
         .await
         .expect("spawn");
-    let c = gw.client();
+    let c = client_of(&gw);
     let a = c.transfer_as(Some("Bearer alice"), "shared").await;
     let b = c.transfer_as(Some("Bearer bob"), "shared").await;
     let none = c.transfer_as(None, "shared").await;
@@ -1114,11 +969,11 @@ async fn in_flight_retries_wait_or_are_refused() {
         .gateway(&upstream.base, &["--wait-timeout", "200ms"])
         .await;
     upstream.on_next("busy", Behaviour::Delay(Duration::from_millis(1200)));
-    let client = waiting.client();
+    let client = client_of(&waiting);
     let first = tokio::spawn(async move { client.transfer("busy", 2).await });
     upstream.until_effects("busy", 1).await; // the first attempt is at the upstream
     for gw in [&rejecting, &short] {
-        let answer = gw.client().transfer("busy", 2).await;
+        let answer = client_of(&gw).transfer("busy", 2).await;
         answer.assert_problem(409, "request-in-flight");
         let retry_after: u64 = answer
             .header("retry-after")
@@ -1127,12 +982,11 @@ async fn in_flight_retries_wait_or_are_refused() {
             .expect("seconds");
         assert!(retry_after >= 1);
     }
-    waiting
-        .client()
+    client_of(&waiting)
         .transfer("busy", 3)
         .await
         .assert_problem(422, "key-reused");
-    let replay = waiting.client().transfer("busy", 2).await;
+    let replay = client_of(&waiting).transfer("busy", 2).await;
     let first = first.await.expect("first");
     assert_eq!(first.status, 201, "{}", first.text());
     assert!(!first.replayed());
@@ -1158,10 +1012,10 @@ async fn server_errors_and_oversized_answers() {
     let db = Db::sqlite();
     let gw = db.gateway(&upstream.base, &[]).await;
     upstream.on_next("flaky", Behaviour::Fail(502));
-    let failed = gw.client().transfer("flaky", 1).await;
+    let failed = client_of(&gw).transfer("flaky", 1).await;
     assert_eq!(failed.status, 502);
     assert_eq!(failed.text(), "upstream failed before any effect");
-    gw.client()
+    client_of(&gw)
         .transfer("flaky", 1)
         .await
         .assert_problem(409, "outcome-unknown");
@@ -1171,8 +1025,11 @@ async fn server_errors_and_oversized_answers() {
         .gateway(&upstream.base, &["--route", "POST * 502=release"])
         .await;
     upstream.on_next("released", Behaviour::Fail(502));
-    assert_eq!(releasing.client().transfer("released", 1).await.status, 502);
-    let executed = releasing.client().transfer("released", 1).await;
+    assert_eq!(
+        client_of(&releasing).transfer("released", 1).await.status,
+        502
+    );
+    let executed = client_of(&releasing).transfer("released", 1).await;
     assert_eq!(executed.status, 201, "{}", executed.text());
     assert!(!executed.replayed());
     assert_eq!(upstream.effects("released"), 1);
@@ -1181,8 +1038,8 @@ async fn server_errors_and_oversized_answers() {
         .gateway(&upstream.base, &["--answers", "5xx=store"])
         .await;
     upstream.on_next("broken", Behaviour::Fail(503));
-    assert_eq!(storing.client().transfer("broken", 1).await.status, 503);
-    let replay = storing.client().transfer("broken", 1).await;
+    assert_eq!(client_of(&storing).transfer("broken", 1).await.status, 503);
+    let replay = client_of(&storing).transfer("broken", 1).await;
     assert_eq!(replay.status, 503);
     assert!(replay.replayed());
     assert_eq!(upstream.requests().len(), 4);
@@ -1190,13 +1047,11 @@ async fn server_errors_and_oversized_answers() {
     let small = db
         .gateway(&upstream.base, &["--max-stored-response", "16"])
         .await;
-    small
-        .client()
+    client_of(&small)
         .transfer("big", 1)
         .await
         .assert_problem(504, "upstream-outcome-unknown");
-    small
-        .client()
+    client_of(&small)
         .transfer("big", 1)
         .await
         .assert_problem(409, "outcome-unknown");
@@ -1215,15 +1070,15 @@ async fn failures_after_the_effect_are_never_re_executed() {
     let gw = db.gateway(&upstream.base, &[]).await;
     upstream.on_next("failed-after", Behaviour::EffectThenFail(500));
     upstream.on_next("reset-after", Behaviour::DropAfterEffect);
-    let first = gw.client().transfer("failed-after", 1).await;
+    let first = client_of(&gw).transfer("failed-after", 1).await;
     assert_eq!(first.status, 500, "{}", first.text());
-    gw.client()
+    client_of(&gw)
         .transfer("reset-after", 1)
         .await
         .assert_problem(504, "upstream-outcome-unknown");
     for key in ["failed-after", "reset-after"] {
         for _ in 0..3 {
-            gw.client()
+            client_of(&gw)
                 .transfer(key, 1)
                 .await
                 .assert_problem(409, "outcome-unknown");
@@ -1236,8 +1091,11 @@ async fn failures_after_the_effect_are_never_re_executed() {
         .gateway(&upstream.base, &["--answers", "500=store"])
         .await;
     upstream.on_next("stored-500", Behaviour::EffectThenFail(500));
-    assert_eq!(storing.client().transfer("stored-500", 1).await.status, 500);
-    let replay = storing.client().transfer("stored-500", 1).await;
+    assert_eq!(
+        client_of(&storing).transfer("stored-500", 1).await.status,
+        500
+    );
+    let replay = client_of(&storing).transfer("stored-500", 1).await;
     assert_eq!(replay.status, 500);
     assert!(replay.replayed());
     assert_eq!(upstream.effects("stored-500"), 1);
@@ -1250,7 +1108,7 @@ async fn failures_after_the_effect_are_never_re_executed() {
         .build()
         .expect("client");
     let gone = impatient
-        .post(format!("{}{TRANSFERS}", gw.client().base))
+        .post(format!("{}{TRANSFERS}", client_of(&gw).base))
         .bearer_auth(TOKEN)
         .header("idempotency-key", "hang-up")
         .json(&json!({ "amount": 1, "to": "acct-9" }))
@@ -1258,7 +1116,7 @@ async fn failures_after_the_effect_are_never_re_executed() {
         .await;
     assert!(gone.is_err(), "the client gave up");
     upstream.until_answered("hang-up", 1).await;
-    let retry = gw.client().transfer("hang-up", 1).await;
+    let retry = client_of(&gw).transfer("hang-up", 1).await;
     assert_eq!(retry.status, 201, "{}", retry.text());
     assert!(retry.replayed(), "the owner finished without its client");
     assert_eq!(upstream.effects("hang-up"), 1);
@@ -1304,12 +1162,12 @@ async fn closed_and_reset_connections_are_unknown() {
     for (reset, key) in [(false, "closed"), (true, "reset")] {
         let (url, seen) = raw_upstream(reset);
         let gw = db.gateway(&url, &[]).await;
-        gw.client()
+        client_of(&gw)
             .transfer(key, 1)
             .await
             .assert_problem(504, "upstream-outcome-unknown");
         for _ in 0..2 {
-            gw.client()
+            client_of(&gw)
                 .transfer(key, 1)
                 .await
                 .assert_problem(409, "outcome-unknown");

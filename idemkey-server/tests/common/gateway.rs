@@ -301,7 +301,9 @@ impl Gateway {
             .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
     }
 
-    fn spawn(args: Vec<String>, log: PathBuf) -> Self {
+    /// Runs `idemkey ARGS` (a `gateway` command line), logging to `log`; returns once it
+    /// listens.
+    pub(crate) fn spawn(args: Vec<String>, log: PathBuf) -> Self {
         let stderr = std::fs::File::create(&log).expect("log file");
         let mut child = Command::new(env!("CARGO_BIN_EXE_idemkey"))
             .args(&args)
@@ -335,6 +337,7 @@ impl Gateway {
         };
         match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(base) => {
+                assert!(base.starts_with("http://127.0.0.1:"), "{base}");
                 gateway.base = base;
                 gateway
             }
@@ -343,6 +346,20 @@ impl Gateway {
                 panic!("the gateway did not start ({e}):\n{}", gateway.log_text());
             }
         }
+    }
+
+    /// The process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Sends `signal` (`-TERM`, …) with `kill`.
+    pub(crate) fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal}");
     }
 
     /// SIGKILL, then reap.
