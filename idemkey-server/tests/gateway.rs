@@ -485,7 +485,7 @@ async fn until_reserved(client: &Client, key: &str) {
 async fn race(upstream: &Upstream, gateways: &[&Gateway]) {
     const KEYS: usize = 200;
     const COPIES: usize = 16;
-    let clients: Vec<Client> = gateways.iter().map(|g| client_of(&g)).collect();
+    let clients: Vec<Client> = gateways.iter().map(|g| client_of(g)).collect();
     let limit = Arc::new(Semaphore::new(64));
     let tasks = (0..KEYS * COPIES).map(|i| {
         let (k, client, limit) = (
@@ -973,7 +973,7 @@ async fn in_flight_retries_wait_or_are_refused() {
     let first = tokio::spawn(async move { client.transfer("busy", 2).await });
     upstream.until_effects("busy", 1).await; // the first attempt is at the upstream
     for gw in [&rejecting, &short] {
-        let answer = client_of(&gw).transfer("busy", 2).await;
+        let answer = client_of(gw).transfer("busy", 2).await;
         answer.assert_problem(409, "request-in-flight");
         let retry_after: u64 = answer
             .header("retry-after")
