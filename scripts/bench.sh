@@ -24,14 +24,13 @@ chmod 755 "$WORK"
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  if [ -n "${PGDATA_DIR:-}" ]; then
-    $AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -m fast stop >/dev/null 2>&1 || true
-  fi
+  stop_pg
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=lib/pg.sh
+. scripts/lib/pg.sh
 
 serve() { # $1 = database URL, $2 = the binary (default: this build); waits until it listens
   local port; port=$(free_port)
@@ -78,23 +77,14 @@ run_bench sqlite
 kill "$SERVER_PID"
 
 # PostgreSQL, fsync on
-PGBIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
-AS_PG=""
-[ "$(id -u)" = 0 ] && AS_PG="runuser -u postgres --"
-PGDATA_DIR=$WORK/pg
-mkdir -p "$PGDATA_DIR" && [ -n "$AS_PG" ] && chown postgres "$WORK" "$PGDATA_DIR"
-$AS_PG "$PGBIN/initdb" -D "$PGDATA_DIR" -A trust -U postgres -E UTF8 --no-locale >/dev/null
-PGPORT=$(free_port)
-$AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -l "$WORK/pg.log" -w \
-  -o "-p $PGPORT -c listen_addresses=127.0.0.1 -c unix_socket_directories=$WORK -c max_connections=200" start >/dev/null
-# The postmaster's PID is the first line of postmaster.pid; its children are the backends.
-PG_PID=$(head -1 "$PGDATA_DIR/postmaster.pid")
+start_pg
+# PG_PID is the postmaster; its children are the backends.
 if [ -n "${BEFORE:-}" ]; then
   "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres before
   serve "postgres://postgres@127.0.0.1:$PGPORT/before" "$BEFORE"
   run_bench postgres-before --database-pid "$PG_PID"
   kill "$SERVER_PID"
 fi
-serve "postgres://postgres@127.0.0.1:$PGPORT/postgres"
+serve "$PG_URL"
 run_bench postgres --database-pid "$PG_PID"
 echo "JSON reports in $OUT"

@@ -21,26 +21,17 @@ chmod 755 "$WORK"
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  if [ -n "${PGDATA_DIR:-}" ]; then
-    $AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -m fast stop >/dev/null 2>&1 || true
-  fi
+  stop_pg
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# shellcheck source=lib/pg.sh
+. scripts/lib/pg.sh
 
-PGBIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
-AS_PG=""
-[ "$(id -u)" = 0 ] && AS_PG="runuser -u postgres --"
-PGDATA_DIR=$WORK/pg
-mkdir -p "$PGDATA_DIR" && [ -n "$AS_PG" ] && chown postgres "$WORK" "$PGDATA_DIR"
-$AS_PG "$PGBIN/initdb" -D "$PGDATA_DIR" -A trust -U postgres -E UTF8 --no-locale >/dev/null
-PGPORT=$(free_port)
-$AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -l "$WORK/pg.log" -w \
-  -o "-p $PGPORT -c listen_addresses=127.0.0.1 -c unix_socket_directories=$WORK -c max_connections=200" start >/dev/null
+start_pg
 
 PORT=$(free_port)
-"$BIN" serve --listen "127.0.0.1:$PORT" --database-url "postgres://postgres@127.0.0.1:$PGPORT/postgres" \
+"$BIN" serve --listen "127.0.0.1:$PORT" --database-url "$PG_URL" \
   --api-key a=tok_a --api-key b=tok_b --key-secret storm-secret --simulate-latency "$LATENCY" \
   >"$WORK/serve.log" 2>&1 &
 PIDS+=($!)
