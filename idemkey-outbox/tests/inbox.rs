@@ -1,93 +1,17 @@
 //! The inbox on both stores: concurrent deliveries of one message make one effect, a failing
 //! handler leaves neither effect nor record, and two consumers each handle a message once.
 
+mod support;
+
 use std::sync::Arc;
 
-use futures::future::BoxFuture;
 use idemkey_core::{KeyHasher, Store};
 use idemkey_outbox::{Handled, Inbox, InboxError};
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::SqliteStore;
-use tempfile::TempDir;
 use tokio::sync::Barrier;
 
-/// A fresh store of either kind with an `effects` table (no unique constraint: only the
-/// inbox keeps duplicates out); the guard keeps a SQLite file.
-trait Fresh: Store + Sized {
-    async fn fresh() -> (Self, Option<TempDir>);
-    fn insert_effect(
-        conn: &mut Self::Connection,
-        label: String,
-    ) -> BoxFuture<'_, Result<(), sqlx::Error>>;
-    async fn effects(&self, label: &str) -> i64;
-}
-
-impl Fresh for SqliteStore {
-    async fn fresh() -> (Self, Option<TempDir>) {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite:{}", dir.path().join("inbox.db").display());
-        let store = SqliteStore::connect(&url).await.unwrap();
-        store.migrate().await.unwrap();
-        sqlx::query("CREATE TABLE effects (label TEXT NOT NULL)")
-            .execute(store.pool())
-            .await
-            .unwrap();
-        (store, Some(dir))
-    }
-    fn insert_effect(
-        conn: &mut sqlx::SqliteConnection,
-        label: String,
-    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO effects (label) VALUES (?1)")
-                .bind(label)
-                .execute(conn)
-                .await
-                .map(|_| ())
-        })
-    }
-    async fn effects(&self, label: &str) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE label = ?1")
-            .bind(label)
-            .fetch_one(self.pool())
-            .await
-            .unwrap()
-    }
-}
-
-impl Fresh for PgStore {
-    async fn fresh() -> (Self, Option<TempDir>) {
-        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
-            .await
-            .unwrap();
-        let store = PgStore::connect(&url, 24).await.unwrap();
-        store.migrate().await.unwrap();
-        sqlx::query("CREATE TABLE effects (label TEXT NOT NULL)")
-            .execute(store.pool())
-            .await
-            .unwrap();
-        (store, None)
-    }
-    fn insert_effect(
-        conn: &mut sqlx::PgConnection,
-        label: String,
-    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query("INSERT INTO effects (label) VALUES ($1)")
-                .bind(label)
-                .execute(conn)
-                .await
-                .map(|_| ())
-        })
-    }
-    async fn effects(&self, label: &str) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE label = $1")
-            .bind(label)
-            .fetch_one(self.pool())
-            .await
-            .unwrap()
-    }
-}
+use support::Fresh;
 
 fn inbox<S: Store>(store: &S, consumer: &str) -> Inbox<S> {
     Inbox::new(

@@ -11,6 +11,8 @@
 //! The child processes are this test binary again, running [`child_process`] with
 //! `IDEMKEY_TEST_CHILD` set.
 
+mod support;
+
 use std::collections::{HashMap, HashSet};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -19,17 +21,19 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt;
-use idemkey_core::outbox::{Message, MessageFilter, MessageState, OutboxStore};
+use idemkey_core::outbox::{Message, MessageState, OutboxStore};
 use idemkey_core::{KeyHasher, Store, Timestamp};
 use idemkey_outbox::{
-    Backoff, DeliveryError, Inbox, NatsConfig, NatsSink, Outgoing, Relay, RelayConfig, Sink,
-    consume_jetstream_with, enqueue_on, envelope, jetstream_message_id,
+    Backoff, DeliveryError, Inbox, NatsConfig, NatsSink, Relay, RelayConfig, Sink,
+    consume_jetstream_with, envelope, jetstream_message_id,
 };
 use idemkey_postgres::PgStore;
 use idemkey_testkit::{NatsServer, Stop};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
+
+use support::{all_messages, enqueue_many, fresh_postgres};
 
 const CHILD_ENV: &str = "IDEMKEY_TEST_CHILD";
 const SUBJECT: &str = "payments.events";
@@ -39,45 +43,6 @@ async fn start_nats() -> NatsServer {
     tokio::task::spawn_blocking(NatsServer::start)
         .await
         .unwrap()
-}
-
-/// A fresh PostgreSQL database with idemkey's tables and an `effects` table; its URL too.
-async fn fresh_store() -> (PgStore, String) {
-    let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
-        .await
-        .unwrap();
-    let store = PgStore::connect(&url, 16).await.unwrap();
-    store.migrate().await.unwrap();
-    sqlx::query("CREATE TABLE effects (label TEXT NOT NULL)")
-        .execute(store.pool())
-        .await
-        .unwrap();
-    (store, url)
-}
-
-/// Enqueues `n` messages, one transaction each.
-async fn enqueue_many(store: &PgStore, n: usize) -> Vec<String> {
-    let mut ids = Vec::new();
-    for i in 0..n {
-        let mut tx = store.begin().await.unwrap();
-        let message = Outgoing::new("payment.succeeded", &serde_json::json!({ "n": i })).unwrap();
-        ids.push(
-            enqueue_on::<PgStore>(&mut tx, &format!("op-{i}"), message)
-                .await
-                .unwrap(),
-        );
-        store.commit(tx).await.unwrap();
-    }
-    ids
-}
-
-async fn all_messages(store: &PgStore) -> Vec<Message> {
-    let mut conn = store.acquire().await.unwrap();
-    let filter = MessageFilter {
-        state: None,
-        limit: 100_000,
-    };
-    store.messages(&mut conn, &filter).await.unwrap()
 }
 
 /// Messages not yet sent (pending or dead).
@@ -232,8 +197,8 @@ async fn jetstream_holds_one_copy_per_message_after_relay_crashes_and_a_nats_res
     const N: usize = 300;
     let started = Instant::now();
     let mut nats = start_nats().await;
-    let (store, database_url) = fresh_store().await;
-    let ids = enqueue_many(&store, N).await;
+    let (store, database_url) = fresh_postgres().await;
+    let ids = enqueue_many(&store, "payment.succeeded", N).await;
     let sink = Arc::new(
         NatsSink::connect_with(&nats.url(), sink_config())
             .await
@@ -387,8 +352,8 @@ async fn jetstream_holds_one_copy_per_message_after_relay_crashes_and_a_nats_res
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_consumer_killed_between_commit_and_ack_gets_the_message_again_and_runs_nothing() {
     let nats = start_nats().await;
-    let (store, database_url) = fresh_store().await;
-    let ids = enqueue_many(&store, 1).await;
+    let (store, database_url) = fresh_postgres().await;
+    let ids = enqueue_many(&store, "payment.succeeded", 1).await;
     let id = &ids[0];
     let sink = NatsSink::connect_with(&nats.url(), sink_config())
         .await

@@ -3,6 +3,8 @@
 //! order; several relays on one PostgreSQL never deliver one message twice at once; a lossy
 //! webhook receiver behind idemkey's own layer records each message exactly once.
 
+mod support;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,7 +17,7 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use idemkey_core::outbox::{Message, MessageFilter, MessageState, OutboxStore};
+use idemkey_core::outbox::{Message, MessageState, OutboxStore};
 use idemkey_core::{Clock, KeyHasher, Timestamp};
 use idemkey_outbox::{
     Backoff, DeliveryError, Outgoing, Relay, RelayConfig, Sink, WebhookSink, enqueue, enqueue_on,
@@ -24,8 +26,9 @@ use idemkey_outbox::{
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{IdempotencyLayer, Tx};
-use tempfile::TempDir;
 use tower::ServiceExt;
+
+use support::{Fresh, all_messages, enqueue_many};
 
 /// A clock the test moves by hand.
 #[derive(Debug, Default)]
@@ -44,72 +47,6 @@ impl Clock for ManualClock {
     fn now(&self) -> Timestamp {
         Timestamp(self.0.load(Ordering::SeqCst))
     }
-}
-
-/// A fresh store of either kind, with an `effects` table; the guard keeps a SQLite file.
-trait Fresh: OutboxStore + Sized {
-    async fn fresh() -> (Self, Option<TempDir>);
-}
-
-impl Fresh for SqliteStore {
-    async fn fresh() -> (Self, Option<TempDir>) {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite:{}", dir.path().join("outbox.db").display());
-        let store = SqliteStore::connect(&url).await.unwrap();
-        store.migrate().await.unwrap();
-        sqlx::query("CREATE TABLE effects (label TEXT NOT NULL)")
-            .execute(store.pool())
-            .await
-            .unwrap();
-        (store, Some(dir))
-    }
-}
-
-impl Fresh for PgStore {
-    async fn fresh() -> (Self, Option<TempDir>) {
-        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
-            .await
-            .unwrap();
-        let store = PgStore::connect(&url, 16).await.unwrap();
-        store.migrate().await.unwrap();
-        sqlx::query("CREATE TABLE effects (label TEXT NOT NULL)")
-            .execute(store.pool())
-            .await
-            .unwrap();
-        (store, None)
-    }
-}
-
-/// Enqueues `n` messages, one transaction each, in groups of their own.
-async fn enqueue_many<S: OutboxStore>(store: &S, n: usize) -> Vec<String> {
-    let mut ids = Vec::new();
-    for i in 0..n {
-        let mut tx = store.begin().await.unwrap();
-        let id = enqueue_on::<S>(
-            &mut tx,
-            &format!("op-{i}"),
-            Outgoing::new("thing.happened", &serde_json::json!({ "n": i })).unwrap(),
-        )
-        .await
-        .unwrap();
-        store.commit(tx).await.unwrap();
-        ids.push(id);
-    }
-    ids
-}
-
-async fn all_messages<S: OutboxStore>(store: &S) -> Vec<Message> {
-    let mut conn = store.acquire().await.unwrap();
-    store
-        .messages(
-            &mut conn,
-            &MessageFilter {
-                state: None,
-                limit: 100_000,
-            },
-        )
-        .await
-        .unwrap()
 }
 
 fn fast(name: &str) -> RelayConfig {
@@ -226,7 +163,7 @@ async fn messages_commit_with_the_effect_or_not_at_all<S: Fresh>() {
 /// an operator's requeue makes a dead message deliverable again.
 async fn failures_back_off_then_die<S: Fresh>() {
     let (store, _guard) = S::fresh().await;
-    let ids = enqueue_many(&store, 1).await;
+    let ids = enqueue_many(&store, "thing.happened", 1).await;
     let clock = ManualClock::at(Timestamp::now().as_millis());
     let sink = Arc::new(Recorder::default());
     sink.fail_next(&ids[0], u32::MAX);
@@ -311,7 +248,7 @@ async fn a_group_is_delivered_in_order<S: Fresh>() {
 /// `relays` relays deliver `n` messages: each at least once, none twice at the same time.
 async fn relays_share_the_work<S: Fresh>(relays: usize, n: usize) {
     let (store, _guard) = S::fresh().await;
-    let ids = enqueue_many(&store, n).await;
+    let ids = enqueue_many(&store, "thing.happened", n).await;
     let sink = Arc::new(Recorder::default());
     let tasks: Vec<_> = (0..relays)
         .map(|r| {
@@ -378,7 +315,7 @@ struct Received {
 async fn lossy_receiver_records_each_message_once<S: Fresh>() {
     const N: usize = 150;
     let (store, _guard) = S::fresh().await;
-    let ids = enqueue_many(&store, N).await;
+    let ids = enqueue_many(&store, "thing.happened", N).await;
 
     let (receiver_db, _receiver_guard) = SqliteStore::fresh().await;
     async fn hook(headers: HeaderMap, mut tx: Tx<SqliteStore>) -> StatusCode {

@@ -1,0 +1,123 @@
+//! What the outbox's test files share: fresh stores with an `effects` table, and messages
+//! enqueued one transaction each.
+
+#![allow(dead_code)] // not every test file uses every helper
+
+use futures::future::BoxFuture;
+use idemkey_core::outbox::{Message, MessageFilter, OutboxStore};
+use idemkey_outbox::{Outgoing, enqueue_on};
+use idemkey_postgres::PgStore;
+use idemkey_sqlite::SqliteStore;
+use tempfile::TempDir;
+
+/// A fresh store of either kind with an `effects` table (no unique constraint: only the
+/// inbox keeps duplicates out); the guard keeps a SQLite file.
+pub(crate) trait Fresh: OutboxStore + Sized {
+    /// A migrated store on a fresh database, and the guard of its SQLite file.
+    async fn fresh() -> (Self, Option<TempDir>);
+    /// Writes one effect row labelled `label` on `conn`.
+    fn insert_effect(
+        conn: &mut Self::Connection,
+        label: String,
+    ) -> BoxFuture<'_, Result<(), sqlx::Error>>;
+    /// How many effect rows labelled `label` are committed.
+    async fn effects(&self, label: &str) -> i64;
+}
+
+impl Fresh for SqliteStore {
+    async fn fresh() -> (Self, Option<TempDir>) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite:{}", dir.path().join("outbox.db").display());
+        let store = SqliteStore::connect(&url).await.unwrap();
+        store.migrate().await.unwrap();
+        sqlx::query("CREATE TABLE effects (label TEXT NOT NULL)")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        (store, Some(dir))
+    }
+    fn insert_effect(
+        conn: &mut sqlx::SqliteConnection,
+        label: String,
+    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effects (label) VALUES (?1)")
+                .bind(label)
+                .execute(conn)
+                .await
+                .map(|_| ())
+        })
+    }
+    async fn effects(&self, label: &str) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE label = ?1")
+            .bind(label)
+            .fetch_one(self.pool())
+            .await
+            .unwrap()
+    }
+}
+
+impl Fresh for PgStore {
+    async fn fresh() -> (Self, Option<TempDir>) {
+        (fresh_postgres().await.0, None)
+    }
+    fn insert_effect(
+        conn: &mut sqlx::PgConnection,
+        label: String,
+    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effects (label) VALUES ($1)")
+                .bind(label)
+                .execute(conn)
+                .await
+                .map(|_| ())
+        })
+    }
+    async fn effects(&self, label: &str) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE label = $1")
+            .bind(label)
+            .fetch_one(self.pool())
+            .await
+            .unwrap()
+    }
+}
+
+/// A fresh, migrated PostgreSQL database with an `effects` table, and its URL.
+pub(crate) async fn fresh_postgres() -> (PgStore, String) {
+    let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
+        .await
+        .unwrap();
+    let store = PgStore::connect(&url, 24).await.unwrap();
+    store.migrate().await.unwrap();
+    sqlx::query("CREATE TABLE effects (label TEXT NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    (store, url)
+}
+
+/// Enqueues `n` messages of type `kind`, one transaction each, in groups of their own.
+pub(crate) async fn enqueue_many<S: OutboxStore>(store: &S, kind: &str, n: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let mut tx = store.begin().await.unwrap();
+        let message = Outgoing::new(kind, &serde_json::json!({ "n": i })).unwrap();
+        ids.push(
+            enqueue_on::<S>(&mut tx, &format!("op-{i}"), message)
+                .await
+                .unwrap(),
+        );
+        store.commit(tx).await.unwrap();
+    }
+    ids
+}
+
+/// Every message, newest first.
+pub(crate) async fn all_messages<S: OutboxStore>(store: &S) -> Vec<Message> {
+    let mut conn = store.acquire().await.unwrap();
+    let filter = MessageFilter {
+        state: None,
+        limit: 100_000,
+    };
+    store.messages(&mut conn, &filter).await.unwrap()
+}
