@@ -36,6 +36,7 @@
 //! which runs the demo, does not link the test kit.
 
 mod hop;
+mod listen;
 mod pg;
 mod proxy;
 

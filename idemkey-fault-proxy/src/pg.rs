@@ -16,7 +16,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinHandle;
+
+use crate::listen::accept_loop;
 
 /// Where, around an armed `COMMIT`, a [`PgFaultProxy`] cuts the client's connection (and its
 /// own connection to the server).
@@ -126,7 +128,10 @@ impl PgFaultProxy {
             cuts: watch::channel(0).0,
             generation: watch::channel(0).0,
         });
-        let accept = tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
+        let served = Arc::clone(&shared);
+        let accept = tokio::spawn(accept_loop(listener, move |stream| {
+            serve(stream, Arc::clone(&served))
+        }));
         Ok(PgFaultProxy {
             addr,
             shared,
@@ -203,24 +208,11 @@ impl Drop for PgFaultProxy {
     }
 }
 
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    let mut connections = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    shared.counters.connections.fetch_add(1, Ordering::Relaxed);
-                    let shared = Arc::clone(&shared);
-                    connections.spawn(async move {
-                        // Errors are the other side going away; nobody to report them to.
-                        let _ = connection(stream, &shared).await;
-                    });
-                }
-                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
-            },
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
-        }
-    }
+/// One client connection, counted; its errors are the other side going away, with nobody to
+/// report them to.
+async fn serve(stream: TcpStream, shared: Arc<Shared>) {
+    shared.counters.connections.fetch_add(1, Ordering::Relaxed);
+    let _ = connection(stream, &shared).await;
 }
 
 /// Protocol codes of the untyped messages a client may send first.

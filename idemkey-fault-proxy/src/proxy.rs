@@ -19,9 +19,11 @@ use hyper_util::rt::TokioIo;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinHandle;
 
 use crate::strip_hop_by_hop;
+
+use crate::listen::accept_loop;
 
 /// Which faults a [`FaultProxy`] injects, and how often.
 ///
@@ -178,7 +180,9 @@ impl FaultProxy {
             rng: Mutex::new(rng),
             counters: Arc::clone(&counters),
         });
-        let accept = tokio::spawn(accept_loop(listener, shared));
+        let accept = tokio::spawn(accept_loop(listener, move |stream| {
+            serve_connection(stream, Arc::clone(&shared))
+        }));
         Ok(FaultProxy {
             addr,
             counters,
@@ -216,23 +220,6 @@ impl Drop for FaultProxy {
         // The accept task owns the listener and the connection tasks' `JoinSet`, so aborting
         // it closes the listener and aborts every connection.
         self.accept.abort();
-    }
-}
-
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
-    let mut connections = JoinSet::new();
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    connections.spawn(serve_connection(stream, Arc::clone(&shared)));
-                }
-                // E.g. too many open files: back off briefly rather than spin.
-                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
-            },
-            // Reap finished connections so the set does not grow without bound.
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
-        }
     }
 }
 
