@@ -21,9 +21,8 @@ use rand::{Rng, SeedableRng};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-use crate::strip_hop_by_hop;
-
 use crate::listen::accept_loop;
+use crate::strip_hop_by_hop;
 
 /// Which faults a [`FaultProxy`] injects, and how often.
 ///
