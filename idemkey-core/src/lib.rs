@@ -47,5 +47,5 @@ pub use self::scope::{KeyHasher, RecordId, Scope};
 pub use self::sqlx_row::{
     AuditRow, MessageRow, OutboxAuditRow, RecordRow, classify_error, is_connection_lost,
 };
-pub use self::store::{BoxError, Inserted, ListFilter, Store, StoreError};
+pub use self::store::{Begun, BoxError, CommitError, Inserted, ListFilter, Store, StoreError};
 pub use self::time::{Clock, SystemClock, Timestamp};

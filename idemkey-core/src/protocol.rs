@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{
-    AuditEntry, Clock, Decision, Fingerprint, Inserted, Mismatch, NewRecord, Record, RecordId,
-    RecordState, Store, StoreError, StoredResponse, SystemClock, Timestamp, decide,
+    AuditEntry, Begun, Clock, Decision, Fingerprint, Inserted, Mismatch, NewRecord, Record,
+    RecordId, RecordState, Store, StoreError, StoredResponse, SystemClock, Timestamp, decide,
 };
 
 /// How many times the claim inserts again after the record it lost to vanished (released,
@@ -113,7 +113,28 @@ pub async fn claim<S: Store>(
     claim: &Claim,
 ) -> Result<ClaimOutcome> {
     let record = new_record(claim, RecordState::Executing, None);
-    claim_on(store, conn, &record, claim).await
+    claim_after(store, conn, &record, claim, None).await
+}
+
+/// Local mode: starts a transaction and claims the key in it ([`Store::begin_claim`], one
+/// round trip where the store can), then goes on as [`claim`] does.
+///
+/// Returns the transaction with the outcome; `None` instead of a transaction when the claim
+/// was not granted the lock on the key in time (then the outcome is
+/// [`ClaimOutcome::InFlight`]). A store that could not begin at all (SQLite's write lock not
+/// granted in time: [`StoreError::Busy`]) is an error, not "in flight".
+pub async fn begin_claim<S: Store>(
+    store: &S,
+    claim: &Claim,
+    lock_wait: Option<Duration>,
+) -> Result<(Option<S::Transaction>, ClaimOutcome)> {
+    let record = new_record(claim, RecordState::Executing, None);
+    let (mut tx, first) = match store.begin_claim(&record, lock_wait).await? {
+        Begun::Claimed(tx, inserted) => (tx, inserted),
+        Begun::Held => return Ok((None, in_flight())),
+    };
+    let outcome = claim_after(store, &mut tx, &record, claim, Some(first)).await?;
+    Ok((Some(tx), outcome))
 }
 
 /// Local mode: stores the owner's response on the same transaction as its effect.
@@ -141,7 +162,7 @@ pub async fn complete<S: Store>(
 pub async fn reserve<S: Store>(store: &S, claim: &Claim, lease: Duration) -> Result<ClaimOutcome> {
     let record = new_record(claim, RecordState::Reserved, Some(claim.now.plus(lease)));
     let mut conn = store.acquire().await?;
-    claim_on(store, &mut conn, &record, claim).await
+    claim_after(store, &mut conn, &record, claim, None).await
 }
 
 fn new_record(claim: &Claim, state: RecordState, lease: Option<Timestamp>) -> NewRecord {
@@ -156,11 +177,14 @@ fn new_record(claim: &Claim, state: RecordState, lease: Option<Timestamp>) -> Ne
     }
 }
 
-async fn claim_on<S: Store>(
+/// The claim from its insert on: `first` is what an insert already sent found (by
+/// [`Store::begin_claim`]); without it, the first round inserts.
+async fn claim_after<S: Store>(
     store: &S,
     conn: &mut S::Connection,
     record: &NewRecord,
     claim: &Claim,
+    mut first: Option<Inserted>,
 ) -> Result<ClaimOutcome> {
     let owned = |token| ClaimOutcome::Owned {
         token,
@@ -169,7 +193,11 @@ async fn claim_on<S: Store>(
     for _ in 0..MAX_ROUNDS {
         // The claim. Fresh keys end here, with one statement; so do replays of records
         // committed before it, which the same statement returns.
-        let existing = match store.insert(conn, record).await {
+        let inserted = match first.take() {
+            Some(inserted) => Ok(inserted),
+            None => store.insert(conn, record).await,
+        };
+        let existing = match inserted {
             Ok(Inserted::Owned) => return Ok(owned(1)),
             Ok(Inserted::Existing(existing)) => Some(*existing),
             // Lost to a record the insert could not see (committed while it waited on it):

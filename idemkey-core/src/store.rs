@@ -3,7 +3,10 @@
 //! A store holds only SQL and row mapping. Every decision about a record is made by
 //! [`decide`](crate::decide) and carried out by the protocol in [`crate::protocol`]; each
 //! primitive here is one statement (the claim's [`Store::insert`] may be two on a store
-//! that cannot read the existing row in the inserting statement).
+//! that cannot read the existing row in the inserting statement). Two are steps joined so a
+//! store can send them in one round trip: [`Store::begin_claim`] (begin, then claim) and
+//! [`Store::complete_and_commit`] (complete, then commit); by default they run the steps
+//! one by one.
 //!
 //! Writes that follow a claim carry the owner's fencing token and are refused (they return
 //! `false`) when the record no longer carries it.
@@ -50,6 +53,32 @@ pub enum Inserted {
     /// while the insert waited on it (PostgreSQL), or deleted since. Read it with
     /// [`Store::fetch`].
     Conflict,
+}
+
+/// How [`Store::complete_and_commit`] failed, by what it means for the transaction.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommitError {
+    /// The record no longer carries the owner's token; nothing was committed.
+    #[error("the idempotency record is held by a newer owner; nothing was committed")]
+    Fenced,
+    /// The database refused the outcome or the commit and said so; nothing was committed.
+    #[error("storing the outcome failed; nothing was committed")]
+    NotCommitted(#[source] StoreError),
+    /// The commit was sent and its answer never came (the connection failed): it may or may
+    /// not have happened.
+    #[error("the commit's outcome is unknown")]
+    Unknown(#[source] StoreError),
+}
+
+/// What [`Store::begin_claim`] did.
+#[derive(Debug)]
+pub enum Begun<T> {
+    /// The transaction began and the claim's insert ran in it.
+    Claimed(T, Inserted),
+    /// The claim's insert was not granted the lock on the key in time: another attempt
+    /// holds it. No transaction is left open.
+    Held,
 }
 
 /// Filters for [`Store::list`].
@@ -117,6 +146,51 @@ pub trait Store: Clone + Send + Sync + 'static {
         conn: &mut Self::Connection,
         record: &NewRecord,
     ) -> impl Future<Output = Result<Inserted, StoreError>> + Send;
+
+    /// Starts a transaction and claims `record` in it: [`begin`](Self::begin),
+    /// [`limit_lock_wait`](Self::limit_lock_wait) when `lock_wait` is set, then
+    /// [`insert`](Self::insert), in one call so that a store able to send them together (in
+    /// one round trip) can. A lock the insert was not granted in time is [`Begun::Held`];
+    /// one the `BEGIN` was not granted (SQLite's write lock) stays a
+    /// [`StoreError::Busy`]. On an error the transaction is gone (rolled back).
+    fn begin_claim(
+        &self,
+        record: &NewRecord,
+        lock_wait: Option<Duration>,
+    ) -> impl Future<Output = Result<Begun<Self::Transaction>, StoreError>> + Send {
+        async move {
+            let mut tx = self.begin().await?;
+            if let Some(wait) = lock_wait {
+                self.limit_lock_wait(&mut tx, wait).await?;
+            }
+            match self.insert(&mut tx, record).await {
+                Ok(inserted) => Ok(Begun::Claimed(tx, inserted)),
+                Err(StoreError::Busy(_)) => Ok(Begun::Held),
+                Err(e) => Err(e),
+            }
+        }
+    }
+
+    /// Stores the outcome on the claim's transaction ([`complete`](Self::complete)) and
+    /// commits it, in one call so that a store able to send both together can. The error
+    /// says whether anything may have been committed.
+    fn complete_and_commit(
+        &self,
+        mut tx: Self::Transaction,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<(), CommitError>> + Send {
+        async move {
+            match self.complete(&mut tx, id, token, response, now).await {
+                Ok(true) => {}
+                Ok(false) => return Err(CommitError::Fenced),
+                Err(e) => return Err(CommitError::NotCommitted(e)),
+            }
+            self.commit(tx).await.map_err(CommitError::Unknown)
+        }
+    }
 
     /// Reads one record.
     fn fetch(

@@ -334,20 +334,54 @@ fn typed_len(buffer: &[u8]) -> Option<usize> {
     (buffer.len() >= total).then_some(total)
 }
 
-/// Whether `message` is a simple query (`Q`) whose text is a `COMMIT` (or `END`).
+/// Whether `message` is a simple query (`Q`) with a `COMMIT` (or `END`) among its
+/// statements: alone, or sent after other statements in the same message (as
+/// `idemkey-postgres` sends the completion and the `COMMIT` together).
 fn is_commit(message: &[u8]) -> bool {
     if message.first() != Some(&b'Q') {
         return false;
     }
     let text = &message[5..];
     let text = text.strip_suffix(&[0]).unwrap_or(text);
-    let text = String::from_utf8_lossy(text);
-    let word = text
-        .trim_start()
-        .split(|c: char| !c.is_ascii_alphabetic())
-        .next()
-        .unwrap_or("");
-    word.eq_ignore_ascii_case("commit") || word.eq_ignore_ascii_case("end")
+    statements(&String::from_utf8_lossy(text)).any(|statement| {
+        let word = statement
+            .trim_start()
+            .split(|c: char| !c.is_ascii_alphabetic())
+            .next()
+            .unwrap_or("");
+        word.eq_ignore_ascii_case("commit") || word.eq_ignore_ascii_case("end")
+    })
+}
+
+/// The statements of a simple query's text: split at the `;`s outside string literals
+/// (`'…'`, with `''` inside, and `E'…'`, where a backslash escapes the next character).
+fn statements(text: &str) -> impl Iterator<Item = &str> {
+    let mut bounds = Vec::new();
+    let (mut quoted, mut escapes, mut previous) = (false, false, ' ');
+    let mut chars = text.char_indices();
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '\\' if quoted && escapes => {
+                chars.next();
+            }
+            '\'' => {
+                if !quoted {
+                    escapes = previous.eq_ignore_ascii_case(&'e');
+                }
+                quoted = !quoted;
+            }
+            ';' if !quoted => bounds.push(i),
+            _ => {}
+        }
+        previous = c;
+    }
+    bounds.push(text.len());
+    let mut start = 0;
+    bounds.into_iter().map(move |end| {
+        let statement = &text[start..end];
+        start = (end + 1).min(text.len());
+        statement
+    })
 }
 
 /// Reads (and drops) the server's messages up to and including `ReadyForQuery` (`Z`).
@@ -403,6 +437,12 @@ mod tests {
         assert!(!is_commit(&query("BEGIN")));
         assert!(!is_commit(&query("SELECT 'COMMIT'")));
         assert!(!is_commit(&query("COMMITTED")));
+        assert!(is_commit(&query(
+            r"SELECT f(E'a;b\\'';c', 1); COMMIT; BEGIN"
+        )));
+        assert!(!is_commit(&query(r"SELECT f(E'x\'; COMMIT; '); BEGIN")));
+        assert!(!is_commit(&query("SELECT f('x''; COMMIT; '); BEGIN")));
+        assert!(is_commit(&query("BEGIN; SELECT 1;\nend")));
         let mut parse = query("COMMIT");
         parse[0] = b'P';
         assert!(!is_commit(&parse));

@@ -15,7 +15,10 @@
 //! commits (then it replays) or rolls back (then it owns the key). Claims of different keys
 //! never wait for each other.
 
+mod literal;
 mod outbox;
 mod store;
+mod transaction;
 
 pub use self::store::{EVICTION_CHANNEL, PgStore};
+pub use self::transaction::PgTransaction;

@@ -2,14 +2,17 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, EvictionNotice, EvictionNotices, Inserted, ListFilter, Members,
-    NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
-    classify_error, is_connection_lost,
+    AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
+    ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse,
+    Timestamp, classify_error, is_connection_lost,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
-use sqlx::{FromRow, Postgres, Row, Transaction};
+use sqlx::{FromRow, Postgres, Row};
+
+use crate::literal::Sql;
+use crate::transaction::{PgTransaction, abandon};
 
 /// An idempotency store in a PostgreSQL database.
 #[derive(Debug, Clone)]
@@ -150,32 +153,160 @@ fn record(row: RecordRow) -> Result<Record, StoreError> {
     Record::try_from(row)
 }
 
-impl Store for PgStore {
-    type Connection = PgConnection;
-    type Transaction = Transaction<'static, Postgres>;
-    type PooledConnection = PoolConnection<Postgres>;
+/// SQLSTATE `idemkey_complete(…, true)` raises (migration 0005): the completion matched no
+/// row carrying the owner's token.
+const NOT_OWNED: &str = "IK001";
 
-    async fn begin(&self) -> Result<Self::Transaction, StoreError> {
-        // Pooled connections are not pinged before use, so a connection the server dropped
-        // while it sat idle (a restart, a terminated backend, an idle time-out) fails here,
-        // at its `BEGIN`. Nothing of the transaction has run, and a `BEGIN` changes nothing
-        // even if it did reach the server, so starting again on another connection is safe.
-        // The failed connection is closed, not returned; after a restart every idle one is
-        // dead, so the retries are bounded by the pool size (plus one new connection), not
-        // one: the first request drains them rather than each of them failing a request.
+/// SQLSTATE 23505 unique_violation.
+const UNIQUE_VIOLATION: &str = "23505";
+
+impl PgStore {
+    /// Begins a transaction with `statement` (`None`: `BEGIN`) on a pooled connection.
+    ///
+    /// Pooled connections are not pinged before use, so a connection the server dropped
+    /// while it sat idle (a restart, a terminated backend, an idle time-out) fails here, at
+    /// its first message. Nothing of a transaction that did not commit survives its
+    /// connection, so beginning again on another connection is safe. The failed connection
+    /// is closed, not returned; after a restart every idle one is dead, so the attempts are
+    /// bounded by the pool size (plus one new connection), not one: the first request
+    /// drains them rather than each of them failing a request. Any other error is returned
+    /// with its connection, which may be in the aborted transaction the message began.
+    async fn begin_on_pool(
+        &self,
+        statement: Option<String>,
+    ) -> Result<PgTransaction, (sqlx::Error, Option<PoolConnection<Postgres>>)> {
         let attempts = self.pool.options().get_max_connections() + 1;
         let mut attempt = 1;
         loop {
-            match self.pool.begin().await {
+            let conn = self.pool.acquire().await.map_err(|e| (e, None))?;
+            match PgTransaction::begin(conn, statement.clone()).await {
                 Ok(tx) => return Ok(tx),
-                Err(e) if attempt < attempts && is_connection_lost(&e) => attempt += 1,
-                Err(e) => return Err(error(e)),
+                Err((e, mut conn)) if attempt < attempts && is_connection_lost(&e) => {
+                    conn.close_on_drop();
+                    attempt += 1;
+                }
+                Err((e, conn)) => return Err((e, Some(conn))),
+            }
+        }
+    }
+}
+
+impl Store for PgStore {
+    type Connection = PgConnection;
+    type Transaction = PgTransaction;
+    type PooledConnection = PoolConnection<Postgres>;
+
+    async fn begin(&self) -> Result<Self::Transaction, StoreError> {
+        match self.begin_on_pool(None).await {
+            Ok(tx) => Ok(tx),
+            Err((e, conn)) => {
+                if let Some(conn) = conn {
+                    abandon(conn, &e).await;
+                }
+                Err(error(e))
             }
         }
     }
 
     async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
-        tx.commit().await.map_err(error)
+        tx.commit().await
+    }
+
+    /// One round trip for a fresh key: `BEGIN` and a plain `INSERT` of the record (function
+    /// `idemkey_claim`, migration 0005) go in one message. A taken key fails that `INSERT` (unique violation); then the transaction
+    /// begins again (`ROLLBACK; BEGIN`, one message) and [`insert`](Store::insert) claims
+    /// the usual way, reading the record that took the key. Such a replay costs one
+    /// message more than the usual way, and the server logs the violation as an error; the
+    /// replay cache answers most replays before they reach the store.
+    async fn begin_claim(
+        &self,
+        record: &NewRecord,
+        lock_wait: Option<Duration>,
+    ) -> Result<Begun<PgTransaction>, StoreError> {
+        let lock_timeout = |sql: &mut Sql| {
+            if let Some(wait) = lock_wait {
+                sql.push("; SELECT set_config('lock_timeout', '")
+                    .int(wait.as_millis().max(1).try_into().unwrap_or(i64::MAX))
+                    .push("ms', true)");
+            }
+        };
+        let mut claim = Sql::new("BEGIN");
+        lock_timeout(&mut claim);
+        claim
+            .push("; SELECT idemkey_claim(")
+            .text(&record.id.tenant)?
+            .push(", ");
+        claim.bytes(&record.id.key_hash).push(", ");
+        claim.text(&record.id.route)?.push(", ");
+        claim.bytes(&record.fingerprint.digest).push(", ");
+        claim.bytes(&record.fingerprint.parts.to_bytes()).push(", ");
+        claim.text(record.state.as_str())?.push(", ");
+        claim
+            .opt_int(record.lease_expires_at.map(Timestamp::as_millis))
+            .push(", ");
+        claim.int(record.now.as_millis()).push(", ");
+        claim.int(record.expires_at.as_millis()).push(", ");
+        claim.opt_bytes(record.sealed_key.as_deref()).push(", ");
+        let members = record.fingerprint.members.as_ref().map(Members::to_bytes);
+        claim.opt_bytes(members.as_deref()).push(")");
+        let (e, conn) = match self.begin_on_pool(Some(claim.finish())).await {
+            Ok(tx) => return Ok(Begun::Claimed(tx, Inserted::Owned)),
+            Err(failed) => failed,
+        };
+        let taken = matches!(&e, sqlx::Error::Database(db)
+            if db.code().as_deref() == Some(UNIQUE_VIOLATION));
+        let conn = match conn {
+            Some(conn) if taken => conn,
+            Some(conn) => {
+                abandon(conn, &e).await;
+                // Only the claim's insert waits on a lock in that message.
+                return match error(e) {
+                    StoreError::Busy(_) => Ok(Begun::Held),
+                    e => Err(e),
+                };
+            }
+            None => return Err(error(e)),
+        };
+        let mut again = Sql::new("ROLLBACK; BEGIN");
+        lock_timeout(&mut again);
+        let mut tx = match PgTransaction::begin(conn, Some(again.finish())).await {
+            Ok(tx) => tx,
+            Err((e, conn)) => {
+                abandon(conn, &e).await;
+                return Err(error(e));
+            }
+        };
+        match self.insert(&mut tx, record).await {
+            Ok(inserted) => Ok(Begun::Claimed(tx, inserted)),
+            Err(StoreError::Busy(_)) => Ok(Begun::Held),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// One round trip: the completion (function `idemkey_complete`, strict: it fails, and so
+    /// skips the `COMMIT`, unless it matched the owner's row) and `COMMIT` go in one message.
+    async fn complete_and_commit(
+        &self,
+        tx: PgTransaction,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<(), CommitError> {
+        let written = (|| {
+            let mut sql = Sql::new("SELECT idemkey_complete(");
+            sql.text(&id.tenant)?.push(", ");
+            sql.bytes(&id.key_hash).push(", ");
+            sql.text(&id.route)?.push(", ");
+            sql.int(token).push(", ");
+            sql.int(i64::from(response.status)).push(", ");
+            sql.bytes(&response.encode_headers()).push(", ");
+            sql.bytes(&response.body).push(", ");
+            sql.int(now.as_millis()).push(", true)");
+            Ok(sql.finish())
+        })();
+        let statements = written.map_err(CommitError::NotCommitted)?;
+        tx.commit_after(statements, |code| code == NOT_OWNED).await
     }
 
     async fn limit_lock_wait(
@@ -206,10 +337,9 @@ impl Store for PgStore {
         // snapshot from being returned beside a successful insert.
         let row = sqlx::query(
             "WITH ins AS (
-                 INSERT INTO idemkey_records
-                        (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
-                         lease_expires_at, created_at, updated_at, expires_at, sealed_key,
-                         fingerprint_members)
+                 INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
+                        fingerprint_parts, state, token, lease_expires_at, created_at,
+                        updated_at, expires_at, sealed_key, fingerprint_members)
                  VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11)
                  ON CONFLICT (tenant, key_hash, route) DO NOTHING
                  RETURNING token
@@ -306,25 +436,18 @@ impl Store for PgStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE idemkey_records
-                SET state = 'completed', token = token + 1, lease_expires_at = NULL,
-                    response_status = $5, response_headers = $6, response_body = $7,
-                    updated_at = $8
-              WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
-        )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .bind(token)
-        .bind(i32::from(response.status))
-        .bind(response.encode_headers())
-        .bind(&response.body[..])
-        .bind(now.as_millis())
-        .execute(conn)
-        .await
-        .map_err(error)?;
-        Ok(done.rows_affected() == 1)
+        sqlx::query_scalar("SELECT idemkey_complete($1, $2, $3, $4, $5, $6, $7, $8, false)")
+            .bind(&id.tenant)
+            .bind(&id.key_hash[..])
+            .bind(&id.route)
+            .bind(token)
+            .bind(i32::from(response.status))
+            .bind(response.encode_headers())
+            .bind(&response.body[..])
+            .bind(now.as_millis())
+            .fetch_one(conn)
+            .await
+            .map_err(error)
     }
 
     async fn renew(

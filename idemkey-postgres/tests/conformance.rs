@@ -211,18 +211,191 @@ async fn begin_survives_terminated_idle_connections() {
         "every backend ended: {terminated:?}"
     );
 
+    // The layer's path: `BEGIN` and the claim in one message.
     let claim = test_claim(b"after-terminate");
-    let mut tx = store.begin().await.expect("begin on a live connection");
-    let outcome = protocol::claim(store, &mut tx, &claim)
+    let (tx, outcome) = protocol::begin_claim(store, &claim, None)
         .await
-        .expect("claim");
-    let ClaimOutcome::Owned { token, .. } = outcome else {
+        .expect("begin and claim on a live connection");
+    let (ClaimOutcome::Owned { token, .. }, Some(mut tx)) = (outcome.clone(), tx) else {
         panic!("{outcome:?}")
     };
     h.write_effect(&mut tx, "after-terminate").await;
-    protocol::complete(store, &mut tx, &claim.id, token, &created())
+    store
+        .complete_and_commit(tx, &claim.id, token, &created(), claim.now)
         .await
-        .expect("complete");
-    store.commit(tx).await.expect("commit");
+        .expect("complete and commit");
     assert_eq!(h.count_effects().await, 1);
+}
+
+/// Owns `claim` on the layer's path, writes `label`, stores `created()` with the commit.
+async fn run_pipelined(h: &PgHarness, store: &PgStore, claim: &Claim, label: &str) -> ClaimOutcome {
+    let (tx, outcome) = protocol::begin_claim(store, claim, None)
+        .await
+        .expect("claim");
+    match (&outcome, tx) {
+        (ClaimOutcome::Owned { token, .. }, Some(mut tx)) => {
+            h.write_effect(&mut tx, label).await;
+            store
+                .complete_and_commit(tx, &claim.id, *token, &created(), claim.now)
+                .await
+                .expect("complete and commit");
+        }
+        (_, Some(tx)) => store.commit(tx).await.expect("commit"),
+        (_, None) => {}
+    }
+    outcome
+}
+
+/// The claim's transaction begins and ends in messages of several statements, with sqlx
+/// told only part of it (`BEGIN` with the claim, `COMMIT; BEGIN` after the completion, a
+/// `ROLLBACK` queued on drop). Whatever path each transaction took (committed, dropped,
+/// fenced, a replay through the taken key's second message), every connection goes back to
+/// the pool out of any transaction, and the next transactions on them are whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_transactions_leave_no_connection_in_a_transaction() {
+    let h = PgHarness::new().await;
+    let store = PgStore::connect(&h.url, 4).await.expect("connect");
+    for round in 0..3 {
+        for i in 0..6 {
+            let claim = test_claim(format!("committed-{round}-{i}").as_bytes());
+            let first = run_pipelined(&h, &store, &claim, "committed").await;
+            assert!(matches!(first, ClaimOutcome::Owned { .. }), "{first:?}");
+            let again = run_pipelined(&h, &store, &claim, "replayed").await;
+            assert!(matches!(again, ClaimOutcome::Replay { .. }), "{again:?}");
+        }
+        for i in 0..4 {
+            let claim = test_claim(format!("dropped-{round}-{i}").as_bytes());
+            let (tx, outcome) = protocol::begin_claim(&store, &claim, None)
+                .await
+                .expect("claim");
+            assert!(matches!(outcome, ClaimOutcome::Owned { .. }), "{outcome:?}");
+            let mut tx = tx.expect("owner's transaction");
+            h.write_effect(&mut tx, "dropped").await;
+            drop(tx);
+        }
+        let claim = test_claim(format!("fenced-{round}").as_bytes());
+        let (tx, outcome) = protocol::begin_claim(&store, &claim, None)
+            .await
+            .expect("claim");
+        let (ClaimOutcome::Owned { token, .. }, Some(mut tx)) = (outcome.clone(), tx) else {
+            panic!("{outcome:?}")
+        };
+        h.write_effect(&mut tx, "fenced").await;
+        let refused = store
+            .complete_and_commit(tx, &claim.id, token + 1, &created(), claim.now)
+            .await;
+        assert!(
+            matches!(refused, Err(idemkey_core::CommitError::Fenced)),
+            "{refused:?}"
+        );
+    }
+    // Every connection of the pool, each back from its last use (acquiring waits for that).
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(store.acquire().await.expect("acquire"));
+    }
+    let in_transaction: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+          WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    )
+    .fetch_one(&mut *held[0])
+    .await
+    .expect("pg_stat_activity");
+    assert_eq!(in_transaction, 0, "no connection was left in a transaction");
+    drop(held);
+    let labels: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT label FROM effects ORDER BY label")
+            .fetch_all(store.pool())
+            .await
+            .expect("labels");
+    assert_eq!(
+        labels,
+        ["committed"],
+        "only committed transactions left effects"
+    );
+    assert_eq!(h.count_effects().await, 18);
+}
+
+/// sqlx counts the claim's transaction, so a handler's own `begin()` on it is a savepoint:
+/// rolling the savepoint back keeps the claim and the rest of the effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_begun_on_the_claims_is_a_savepoint() {
+    let h = PgHarness::new().await;
+    let store = &h.store;
+    let claim = test_claim(b"savepoint");
+    let (tx, outcome) = protocol::begin_claim(store, &claim, None)
+        .await
+        .expect("claim");
+    let (ClaimOutcome::Owned { token, .. }, Some(mut tx)) = (outcome.clone(), tx) else {
+        panic!("{outcome:?}")
+    };
+    {
+        let mut inner = (*tx).begin().await.expect("savepoint");
+        h.write_effect(&mut inner, "inner").await;
+        inner.rollback().await.expect("roll back to the savepoint");
+    }
+    {
+        let mut inner = (*tx).begin().await.expect("savepoint");
+        h.write_effect(&mut inner, "inner-kept").await;
+        inner.commit().await.expect("release the savepoint");
+    }
+    h.write_effect(&mut tx, "outer").await;
+    store
+        .complete_and_commit(tx, &claim.id, token, &created(), claim.now)
+        .await
+        .expect("complete and commit");
+    let labels: Vec<String> = sqlx::query_scalar("SELECT label FROM effects ORDER BY label")
+        .fetch_all(store.pool())
+        .await
+        .expect("labels");
+    assert_eq!(labels, ["inner-kept", "outer"]);
+    let again = run_pipelined(&h, store, &claim, "again").await;
+    assert!(matches!(again, ClaimOutcome::Replay { .. }), "{again:?}");
+}
+
+/// A claim told to wait at most 1 ms for the owner's row answers "in flight" (no
+/// transaction is left open for it); once the owner committed, the same claim replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bounded_claim_on_a_held_key_is_in_flight() {
+    let h = PgHarness::new().await;
+    let store = &h.store;
+    let claim = test_claim(b"held");
+    let (owner, outcome) = protocol::begin_claim(store, &claim, None)
+        .await
+        .expect("claim");
+    let (ClaimOutcome::Owned { token, .. }, Some(mut owner)) = (outcome.clone(), owner) else {
+        panic!("{outcome:?}")
+    };
+    h.write_effect(&mut owner, "held").await;
+    let (tx, waited) = protocol::begin_claim(store, &claim, Some(Duration::from_millis(1)))
+        .await
+        .expect("claim");
+    assert!(tx.is_none(), "no transaction for an in-flight answer");
+    assert!(
+        matches!(waited, ClaimOutcome::InFlight { .. }),
+        "{waited:?}"
+    );
+    store
+        .complete_and_commit(owner, &claim.id, token, &created(), claim.now)
+        .await
+        .expect("complete and commit");
+    let again = run_pipelined(&h, store, &claim, "again").await;
+    assert!(matches!(again, ClaimOutcome::Replay { .. }), "{again:?}");
+    assert_eq!(h.count_effects().await, 1);
+}
+
+/// PostgreSQL text cannot hold NUL: a tenant with one is an error of the claim, with no
+/// transaction left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_in_a_tenant_is_an_error() {
+    let h = PgHarness::new().await;
+    let mut claim = test_claim(b"nul");
+    claim.id.tenant = "t\0nul".into();
+    let refused = protocol::begin_claim(&h.store, &claim, None).await;
+    assert!(
+        matches!(refused, Err(protocol::Error::Store(_))),
+        "{refused:?}"
+    );
+    let fine = run_pipelined(&h, &h.store, &test_claim(b"after-nul"), "fine").await;
+    assert!(matches!(fine, ClaimOutcome::Owned { .. }), "{fine:?}");
 }

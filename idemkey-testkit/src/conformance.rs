@@ -86,20 +86,76 @@ fn response(body: &str) -> StoredResponse {
     }
 }
 
-/// Claims `claim` in a transaction; when it owns the key, writes an effect labelled
-/// `label`, completes with `body` and commits. Returns what the claim answered.
+/// Claims `claim` as the layer does ([`protocol::begin_claim`]); when it owns the key,
+/// writes an effect labelled `label` and stores `body` with the commit
+/// ([`Store::complete_and_commit`]). Returns what the claim answered.
 async fn run_once<H: Harness>(h: &H, claim: &Claim, label: &str, body: &str) -> ClaimOutcome {
     let store = h.store();
-    let mut tx = store.begin().await.expect("begin");
-    let outcome = protocol::claim(store, &mut tx, claim).await.expect("claim");
-    if let ClaimOutcome::Owned { token, .. } = outcome {
-        h.write_effect(&mut tx, label).await;
-        protocol::complete(store, &mut tx, &claim.id, token, &response(body))
-            .await
-            .expect("complete");
+    let (tx, outcome) = protocol::begin_claim(store, claim, None)
+        .await
+        .expect("claim");
+    match (&outcome, tx) {
+        (ClaimOutcome::Owned { token, .. }, Some(mut tx)) => {
+            h.write_effect(&mut tx, label).await;
+            store
+                .complete_and_commit(tx, &claim.id, *token, &response(body), claim.now)
+                .await
+                .expect("complete and commit");
+        }
+        (_, Some(tx)) => store.commit(tx).await.expect("commit"),
+        (_, None) => {}
     }
-    store.commit(tx).await.expect("commit");
     outcome
+}
+
+/// A completion with a stale token, sent with the commit, commits nothing: neither the
+/// effect nor the claim; the key is free again.
+pub async fn fenced_completion_commits_nothing<H: Harness>(h: H) {
+    let store = h.store();
+    let id = id("t1", "/v1/payments", "k-fenced");
+    let claim = claim_at(&id, 1, Timestamp::now());
+    let (tx, outcome) = protocol::begin_claim(store, &claim, None)
+        .await
+        .expect("claim");
+    let (ClaimOutcome::Owned { token, .. }, Some(mut tx)) = (outcome.clone(), tx) else {
+        panic!("{outcome:?}")
+    };
+    h.write_effect(&mut tx, "k-fenced").await;
+    let refused = store
+        .complete_and_commit(tx, &id, token + 1, &response("{}"), claim.now)
+        .await;
+    assert!(
+        matches!(refused, Err(idemkey_core::CommitError::Fenced)),
+        "{refused:?}"
+    );
+    assert!(fetch(&h, &id).await.is_none());
+    assert_eq!(h.count_effects().await, 0);
+    let next = run_once(&h, &claim, "k-fenced", "{}").await;
+    assert!(matches!(next, ClaimOutcome::Owned { .. }), "{next:?}");
+    assert_eq!(h.count_effects().await, 1);
+}
+
+/// Tenants and routes with quotes, backslashes and non-ASCII text are stored and found
+/// again as they are, on every path a claim takes (fresh, replay, mismatch).
+pub async fn scope_text_is_stored_as_given<H: Harness>(h: H) {
+    let tenant = "t'; DROP TABLE idemkey_records; --\\";
+    let route = "/v1/it's/\\x41/ünï";
+    let id = id(tenant, route, "k-text");
+    let now = Timestamp::now();
+    let first = run_once(&h, &claim_at(&id, 1, now), "k-text", "{\"n\":1}").await;
+    assert!(matches!(first, ClaimOutcome::Owned { .. }), "{first:?}");
+    let again = run_once(&h, &claim_at(&id, 1, now), "k-text", "{}").await;
+    assert!(
+        matches!(&again, ClaimOutcome::Replay { response, .. } if response.body == b"{\"n\":1}"),
+        "{again:?}"
+    );
+    let other = run_once(&h, &claim_at(&id, 2, now), "k-text", "{}").await;
+    assert!(matches!(other, ClaimOutcome::Mismatch { .. }), "{other:?}");
+    let record = fetch(&h, &id).await.expect("record");
+    assert_eq!(record.id.tenant, tenant);
+    assert_eq!(record.id.route, id.route);
+    assert!(record.id.route.ends_with(route), "{}", record.id.route);
+    assert_eq!(h.count_effects().await, 1);
 }
 
 async fn fetch<H: Harness>(h: &H, id: &RecordId) -> Option<idemkey_core::Record> {
@@ -877,6 +933,8 @@ macro_rules! conformance_tests {
             severed_owner_leaves_nothing,
             cancelled_owner_task_leaves_nothing,
             stale_token_cannot_complete,
+            fenced_completion_commits_nothing,
+            scope_text_is_stored_as_given,
             expired_record_is_claimed_anew,
             purge_removes_expired_records_in_batches,
             scopes_are_independent,

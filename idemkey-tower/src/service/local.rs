@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use futures::FutureExt;
 use http::Request;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
-use idemkey_core::{AfterEffect, Store};
+use idemkey_core::{AfterEffect, CommitError, Store, Timestamp};
 use tokio::sync::Mutex;
 use tower_service::Service;
 
@@ -37,10 +37,6 @@ where
 {
     let store = keyed.layer.store.clone();
     let config = keyed.config.clone();
-    let mut tx = match store.begin().await {
-        Ok(tx) => tx,
-        Err(e) => return keyed.finish(Outcome::StoreError, store_unavailable(&e)),
-    };
     // What is left of the in-flight bound after waiting for this process's other attempts
     // (never zero: PostgreSQL reads a zero lock time-out as "wait forever").
     let wait = match config.in_flight {
@@ -50,13 +46,8 @@ where
         }
         InFlightPolicy::Reject => Some(Duration::from_millis(1)),
     };
-    if let Some(wait) = wait
-        && let Err(e) = store.limit_lock_wait(&mut tx, wait).await
-    {
-        return keyed.finish(Outcome::StoreError, store_unavailable(&e));
-    }
-    let outcome = match protocol::claim(&store, &mut tx, &claim).await {
-        Ok(outcome) => outcome,
+    let (tx, outcome) = match protocol::begin_claim(&store, &claim, wait).await {
+        Ok(begun) => begun,
         Err(protocol::Error::Store(e)) => {
             return keyed.finish(Outcome::StoreError, store_unavailable(&e));
         }
@@ -65,12 +56,14 @@ where
             return keyed.finish(Outcome::StoreError, IdempotencyRejection::Internal);
         }
     };
-    let token = match outcome {
-        ClaimOutcome::Owned { token, .. } => token,
-        other => {
+    let (token, mut tx) = match (outcome, tx) {
+        (ClaimOutcome::Owned { token, .. }, Some(tx)) => (token, tx),
+        (other, tx) => {
             // Nothing of the caller's was written; committing keeps a possible
             // `indeterminate` mark the claim left.
-            let _ = store.commit(tx).await;
+            if let Some(tx) = tx {
+                let _ = store.commit(tx).await;
+            }
             return keyed.answer_existing(other, &claim.id, &claim.fingerprint);
         }
     };
@@ -86,7 +79,7 @@ where
     let expires_at = claim.now.plus(config.retention);
 
     let operation = hex::encode(claim.id.digest());
-    let (response, mut tx) = match run_handler::<S, I>(inner, req, tx, operation).await {
+    let (response, tx) = match run_handler::<S, I>(inner, req, tx, operation).await {
         Ok(done) => done,
         Err(rejection) => return keyed.finish(Outcome::NotStored, rejection),
     };
@@ -102,19 +95,27 @@ where
             return keyed.finish(Outcome::NotStored, rejection);
         }
     };
-    if let Err(e) = protocol::complete(&store, &mut tx, &claim.id, token, &captured.stored).await {
-        tracing::error!(error = %e, "storing the response failed");
+    let done = store
+        .complete_and_commit(tx, &claim.id, token, &captured.stored, Timestamp::now())
+        .await;
+    if let Err(e) = done {
         let answer = match e {
-            protocol::Error::Store(e) => store_unavailable(&e),
-            _ => IdempotencyRejection::Internal.into_response(),
-        };
-        return keyed.finish(Outcome::StoreError, answer);
-    }
-    if let Err(e) = store.commit(tx).await {
-        // The commit may or may not have happened; a retry replays or runs afresh.
-        tracing::warn!(error = %e, "committing the outcome failed; the outcome is unknown");
-        let answer = IdempotencyRejection::CommitUnknown {
-            retry_after: super::RETRY_AFTER,
+            CommitError::NotCommitted(e) => {
+                tracing::error!(error = %e, "storing the response failed");
+                store_unavailable(&e)
+            }
+            CommitError::Unknown(e) => {
+                // The commit may or may not have happened; a retry replays or runs afresh.
+                tracing::warn!(error = %e, "committing the outcome failed; the outcome is unknown");
+                IdempotencyRejection::CommitUnknown {
+                    retry_after: super::RETRY_AFTER,
+                }
+                .into_response()
+            }
+            e => {
+                tracing::error!(error = %e, "storing the response failed");
+                IdempotencyRejection::Internal.into_response()
+            }
         };
         return keyed.finish(Outcome::StoreError, answer);
     }
