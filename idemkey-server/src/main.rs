@@ -12,6 +12,11 @@ use tracing_subscriber::EnvFilter;
 
 const DEFAULT_WAIT: std::time::Duration = InFlightPolicy::DEFAULT_WAIT;
 
+// mimalloc rather than the system allocator: under load glibc's malloc spent ~12 % of the
+// server's CPU (consolidating and unlinking chunks); docs/benchmarks.md has the profile.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
