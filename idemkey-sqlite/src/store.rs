@@ -8,21 +8,21 @@ use idemkey_core::{
     NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
     classify_error,
 };
+use sqlx::Sqlite;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::Sqlite;
 
 use crate::writer::{SqliteTransaction, Writer};
 
 /// An idempotency store in a SQLite database.
 ///
-/// Its write transactions ([`Store::begin`]) take turns in a queue in memory, shared by the
-/// store's clones: clone the store rather than make two on one database, or the two queues
-/// meet in SQLite's busy handler again.
+/// Its write transactions ([`Store::begin`]) take turns in a first-come, first-served queue
+/// in memory, shared by the store's clones: clone the store rather than make two on one
+/// database, or the two queues meet in SQLite's busy handler again.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
@@ -35,11 +35,14 @@ impl SqliteStore {
 
     /// A store on an existing pool. The pool should use WAL and a busy time-out, as
     /// [`connect`](Self::connect) sets up; the busy time-out its connections report
-    /// (`PRAGMA busy_timeout`, read once) also bounds the wait for the writer slot.
+    /// (`PRAGMA busy_timeout`, read once) also bounds the wait in the writer queue. Each
+    /// write transaction takes its connection from the pool, in turn (so the pool's
+    /// `before_acquire` hooks run for it), where [`connect`](Self::connect)'s store keeps
+    /// one writer connection of its own.
     pub fn new(pool: SqlitePool) -> Self {
         Self {
             pool,
-            writer: Arc::new(Writer::new(None)),
+            writer: Arc::new(Writer::new(None, false)),
         }
     }
 
@@ -48,7 +51,8 @@ impl SqliteStore {
     pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
     /// Opens (creating if missing) the database at `url` (`sqlite:path.db`), in WAL mode with
-    /// a 5 s busy time-out.
+    /// a 5 s busy time-out. Write transactions take turns on one connection the store keeps
+    /// for them; the pool of eight serves the rest.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Self::connect_with_busy_timeout(url, Self::DEFAULT_BUSY_TIMEOUT).await
     }
@@ -74,7 +78,7 @@ impl SqliteStore {
             .map_err(error)?;
         Ok(Self {
             pool,
-            writer: Arc::new(Writer::new(Some(busy_timeout))),
+            writer: Arc::new(Writer::new(Some(busy_timeout), true)),
         })
     }
 

@@ -43,8 +43,8 @@ async fn without_busy_handler(store: &SqliteStore) {
 
 fn claim(key: &str) -> Claim {
     let key = IdempotencyKey::parse(key.as_bytes()).expect("valid key");
-    let id = KeyHasher::new(b"writer-secret")
-        .record_id(&Scope::new("t1", "POST", "/v1/payments"), &key);
+    let id =
+        KeyHasher::new(b"writer-secret").record_id(&Scope::new("t1", "POST", "/v1/payments"), &key);
     Claim {
         id,
         fingerprint: Fingerprint {
@@ -122,7 +122,9 @@ async fn concurrent_writers_take_turns_without_sqlite_busy() {
         })
         .collect();
     for task in tasks {
-        task.await.expect("task").expect("no writer meets SQLITE_BUSY");
+        task.await
+            .expect("task")
+            .expect("no writer meets SQLITE_BUSY");
     }
     assert_eq!(effects(&store).await, WRITERS as i64);
     for i in 0..WRITERS {
@@ -143,7 +145,9 @@ async fn uncommitted_transactions_roll_back_and_free_the_writer() {
     // Dropped.
     let dropped = claim("k-dropped");
     let mut tx = store.begin().await.expect("begin");
-    protocol::claim(&store, &mut tx, &dropped).await.expect("claim");
+    protocol::claim(&store, &mut tx, &dropped)
+        .await
+        .expect("claim");
     write_effect(&mut tx, "k-dropped").await;
     drop(tx);
 
@@ -180,10 +184,16 @@ async fn uncommitted_transactions_roll_back_and_free_the_writer() {
     cancelled.abort();
     assert!(cancelled.await.expect_err("cancelled").is_cancelled());
 
-    run_fresh(&store, "k-after").await.expect("the writer is free");
+    run_fresh(&store, "k-after")
+        .await
+        .expect("the writer is free");
     assert_eq!(effects(&store).await, 1, "only the committed effect stays");
     for key in ["k-dropped", "k-panicked", "k-cancelled"] {
-        assert_eq!(record(&store, &claim(key).id).await, None, "{key} left no record");
+        assert_eq!(
+            record(&store, &claim(key).id).await,
+            None,
+            "{key} left no record"
+        );
     }
     // The keys are free again: each runs afresh.
     for key in ["k-dropped", "k-panicked", "k-cancelled"] {
@@ -202,7 +212,9 @@ async fn waiting_past_the_busy_timeout_answers_busy() {
     let waited = store.begin().await;
     assert!(matches!(waited, Err(StoreError::Busy(_))), "{waited:?}");
     store.commit(holder).await.expect("commit");
-    run_fresh(&store, "k-next").await.expect("the writer is free");
+    run_fresh(&store, "k-next")
+        .await
+        .expect("the writer is free");
     assert_eq!(effects(&store).await, 2);
 }
 
