@@ -3,12 +3,13 @@
 //! on a store made with `SqliteStore::new` on a pool (each transaction's connection from the
 //! pool, in the same writer queue).
 
+use std::future::Future;
+use std::str::FromStr;
+
 use idemkey_core::Store;
 use idemkey_sqlite::SqliteStore;
 use idemkey_testkit::Harness;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions};
-use std::future::Future;
-use std::str::FromStr;
 
 struct SqliteHarness {
     store: SqliteStore,
