@@ -4,9 +4,9 @@
 //! once (`BEGIN IMMEDIATE`), all but one wait in SQLite's busy handler, which sleeps
 //! (1, 2, 5, 10, … ms) and retries: a writer can sleep long after the lock was freed, and
 //! the slowest claims wait for tens of milliseconds behind a lock that is held for less than
-//! one. So a [`SqliteStore`](crate::SqliteStore)'s write transactions take turns on one
-//! connection of its own (the writer), from a fair (first come, first served) queue in
-//! memory, and hold it until they commit or roll back; SQLite's busy handler is left with
+//! one. So a [`SqliteStore`](crate::SqliteStore)'s write transactions take turns, from a
+//! fair (first come, first served) queue in memory, and hold their turn until they commit
+//! or roll back; SQLite's busy handler is left with
 //! the writers this queue does not see (autocommit statements on
 //! [`acquire`](idemkey_core::Store::acquire)d connections, other processes).
 //!
