@@ -13,9 +13,12 @@
 //!
 //! SQLite serializes writers: a claim takes the database's write lock, and a concurrent
 //! claim of any key waits for it (up to the busy time-out, 5 s by default, then answers
-//! "in flight"). Each claim transaction should therefore be short.
+//! "in flight"). The store's writers wait in a first-come, first-served queue in memory,
+//! not in SQLite's sleeping busy handler. Each claim transaction should still be short.
 
 mod outbox;
 mod store;
+mod writer;
 
 pub use self::store::{EVICTION_POLL, SqliteStore};
+pub use self::writer::SqliteTransaction;

@@ -1,5 +1,6 @@
 use std::collections::VecDeque;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use idemkey_core::{
@@ -7,18 +8,25 @@ use idemkey_core::{
     NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
     classify_error,
 };
+use sqlx::Sqlite;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{Sqlite, Transaction};
+
+use crate::writer::{SqliteTransaction, Writer};
 
 /// An idempotency store in a SQLite database.
+///
+/// Its write transactions ([`Store::begin`]) take turns in a first-come, first-served queue
+/// in memory, shared by the store's clones: clone the store rather than make two on one
+/// database, or the two queues meet in SQLite's busy handler again.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    writer: Arc<Writer>,
 }
 
 impl SqliteStore {
@@ -26,9 +34,16 @@ impl SqliteStore {
     pub const MIGRATIONS_TABLE: &'static str = "idemkey_migrations";
 
     /// A store on an existing pool. The pool should use WAL and a busy time-out, as
-    /// [`connect`](Self::connect) sets up.
+    /// [`connect`](Self::connect) sets up; the busy time-out its connections report
+    /// (`PRAGMA busy_timeout`, read once) also bounds the wait in the writer queue. Each
+    /// write transaction takes its connection from the pool, in turn (so the pool's
+    /// `before_acquire` hooks run for it), where [`connect`](Self::connect)'s store keeps
+    /// one writer connection of its own.
     pub fn new(pool: SqlitePool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            writer: Arc::new(Writer::new(None, false)),
+        }
     }
 
     /// The busy time-out of [`connect`](Self::connect): how long a claim waits for the write
@@ -36,14 +51,16 @@ impl SqliteStore {
     pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
     /// Opens (creating if missing) the database at `url` (`sqlite:path.db`), in WAL mode with
-    /// a 5 s busy time-out.
+    /// a 5 s busy time-out. Write transactions take turns on one connection the store keeps
+    /// for them; the pool of eight serves the rest.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         Self::connect_with_busy_timeout(url, Self::DEFAULT_BUSY_TIMEOUT).await
     }
 
     /// Like [`connect`](Self::connect), with another busy time-out. SQLite serializes writers,
     /// so this bounds how long any claim waits, whichever key holds the lock: it is the
-    /// SQLite form of the in-flight wait bound.
+    /// SQLite form of the in-flight wait bound. It bounds the wait in the store's writer
+    /// queue, and then SQLite's own wait for writers outside the queue.
     pub async fn connect_with_busy_timeout(
         url: &str,
         busy_timeout: Duration,
@@ -59,7 +76,10 @@ impl SqliteStore {
             .connect_with(options)
             .await
             .map_err(error)?;
-        Ok(Self::new(pool))
+        Ok(Self {
+            pool,
+            writer: Arc::new(Writer::new(Some(busy_timeout), true)),
+        })
     }
 
     /// The pool, for the application's own queries.
@@ -162,17 +182,17 @@ fn record(row: RecordRow) -> Result<Record, StoreError> {
 
 impl Store for SqliteStore {
     type Connection = SqliteConnection;
-    type Transaction = Transaction<'static, Sqlite>;
+    type Transaction = SqliteTransaction;
     type PooledConnection = PoolConnection<Sqlite>;
 
     async fn begin(&self) -> Result<Self::Transaction, StoreError> {
-        // IMMEDIATE: take the write lock now, waiting (busy time-out) behind another claim,
-        // rather than fail later when a read transaction tries to upgrade.
-        self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(error)
+        // In turn behind this store's other writers, then IMMEDIATE: take the write lock
+        // now rather than fail later when a read transaction tries to upgrade.
+        self.writer.begin(&self.pool).await
     }
 
     async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
-        tx.commit().await.map_err(error)
+        tx.commit().await
     }
 
     async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {
