@@ -39,9 +39,12 @@ OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cargo build --release -q -p idemkey-server
-BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
 WORK=$(mktemp -d /tmp/idemkey-scale.XXXXXX)
 chmod 755 "$WORK"
+# A copy: a build sharing the target directory cannot replace it mid-run.
+cp "${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey" "$WORK/idemkey"
+BIN=$WORK/idemkey
+"$BIN" bench --help | grep -q -- --run-id || { echo "$BIN is not this build (no --run-id)" >&2; exit 1; }
 SERVER_PID=""
 cleanup() {
   [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null || true

@@ -28,7 +28,7 @@ bulk_sqlite() {
   local db=$1 count=$2 from
   from=$(bulk_created_ms "$3") || return 1
   # Off for the load only: the server opens the file in WAL mode again.
-  sqlite3 "$db" <<SQL
+  sqlite3 "$db" >/dev/null <<SQL
 PRAGMA journal_mode = OFF;
 PRAGMA synchronous = OFF;
 PRAGMA cache_size = -2000000;
