@@ -11,6 +11,10 @@
 # BEFORE=path/to/an/older/idemkey also runs that build's server in the same run (each on its
 # own database, loaded by this build's `idemkey bench`), labelled `<store>-before`, so a
 # change is measured against what it replaced on the same machine minutes apart.
+#
+# SCALE=1 then runs scripts/bench_scale.sh (the 10^7-record scale run and the purge under
+# load: tens of minutes and ~14 GB of disk), with SCALE_ARGS as its arguments
+# ("[LARGE] [SMALL] [REQUESTS] [CONCURRENCY]", e.g. SCALE_ARGS="1000000" for a tenth).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${1:-5000}
@@ -18,7 +22,7 @@ CONCURRENCY=${2:-32}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
 cargo build --release -q -p idemkey-server
-BIN=$PWD/target/release/idemkey
+BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
 WORK=$(mktemp -d /tmp/idemkey-bench.XXXXXX)
 chmod 755 "$WORK"
 PIDS=()
@@ -88,3 +92,10 @@ fi
 serve "$PG_URL"
 run_bench postgres --database-pid "$PG_PID"
 echo "JSON reports in $OUT"
+
+if [ "${SCALE:-0}" = 1 ]; then
+  kill "$SERVER_PID"
+  stop_pg
+  # shellcheck disable=SC2086 # SCALE_ARGS is a list of arguments
+  OUT=$OUT scripts/bench_scale.sh ${SCALE_ARGS:-}
+fi

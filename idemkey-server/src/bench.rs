@@ -26,7 +26,8 @@ pub enum Mode {
     Replay,
     /// `--race-width` concurrent requests per key; effects read back to find duplicates.
     Race,
-    /// A mix of replays (`--replay-ratio`) and fresh keys.
+    /// A mix of replays (`--replay-ratio`), fresh keys, mismatched replays
+    /// (`--mismatch-ratio`, answered 422) and unkeyed requests (`--unkeyed-ratio`).
     Mixed,
 }
 
@@ -55,6 +56,14 @@ pub struct BenchOptions {
     pub race_width: usize,
     /// Share of replays in `mixed`.
     pub replay_ratio: f64,
+    /// Share of `mixed` requests that reuse a completed key with another body (422).
+    pub mismatch_ratio: f64,
+    /// Share of `mixed` requests sent to the unkeyed baseline route without a key.
+    pub unkeyed_ratio: f64,
+    /// The keys' namespace (`bench-<ID>-<n>`); `None`: a random one per run. Giving the ID
+    /// of an earlier run replays its keys, from the store rather than a cache if the server
+    /// restarted in between.
+    pub run_id: Option<String>,
     /// A server process to report the peak memory (Linux `VmHWM`) and the CPU time per
     /// request of.
     pub server_pid: Option<u32>,
@@ -86,6 +95,9 @@ pub struct Phase {
     statuses: BTreeMap<u16, u64>,
     transport_errors: u64,
     replayed: u64,
+    /// Requests without a key that got a 2xx: each made one effect.
+    #[serde(skip)]
+    unkeyed_succeeded: u64,
     /// CPU time (user + system) the server process spent in this phase, per request, in µs;
     /// `null` without `--server-pid`.
     server_cpu_us_per_request: Option<f64>,
@@ -101,7 +113,8 @@ pub struct Phase {
 pub struct Effects {
     before: i64,
     after: i64,
-    /// Effects the run should have made: one per key that got a 2xx.
+    /// Effects the run should have made: one per key that got a 2xx not marked replayed,
+    /// one per unkeyed 2xx.
     expected: i64,
     /// `after - before - expected`: more than zero means an operation ran twice.
     duplicates: i64,
@@ -231,7 +244,7 @@ impl Load {
         let results = results.lock().await;
         let mut hist = Histogram::<u64>::new_with_bounds(1, 120_000_000, 3)?;
         let mut statuses = BTreeMap::new();
-        let (mut transport_errors, mut replayed) = (0, 0);
+        let (mut transport_errors, mut replayed, mut unkeyed_succeeded) = (0, 0, 0);
         let mut created_keys = Vec::new();
         for (i, elapsed, outcome) in results.iter() {
             hist.saturating_record(elapsed.as_micros().max(1) as u64);
@@ -239,10 +252,13 @@ impl Load {
                 Ok((status, was_replayed)) => {
                     *statuses.entry(*status).or_default() += 1;
                     replayed += u64::from(*was_replayed);
-                    if (200..300).contains(status)
-                        && let Some(key) = &plan[*i].key
-                    {
-                        created_keys.push(key.clone());
+                    // An effect per executed 2xx: a replay made none (a key replayed from
+                    // an earlier run, `--run-id`, counts nowhere).
+                    if (200..300).contains(status) && !was_replayed {
+                        match &plan[*i].key {
+                            Some(key) => created_keys.push(key.clone()),
+                            None => unkeyed_succeeded += 1,
+                        }
                     }
                 }
                 Err(()) => transport_errors += 1,
@@ -266,10 +282,54 @@ impl Load {
             statuses,
             transport_errors,
             replayed,
+            unkeyed_succeeded,
             server_cpu_us_per_request: server_cpu.map(per_request),
             database_cpu_us_per_request: database_cpu.map(per_request),
             created_keys,
         })
+    }
+}
+
+/// Request `i` of a `mixed` phase: a replay of one of the `warm` keys made by the warm-up,
+/// the same key with another body (a mismatch), an unkeyed request, or a fresh key (numbered
+/// after the warm-up's).
+fn mixed_request(
+    load: &Load,
+    rng: &mut impl Rng,
+    options: &BenchOptions,
+    warm: usize,
+    i: usize,
+) -> Req {
+    let share = |r: f64| r.clamp(0.0, 1.0);
+    let roll: f64 = rng.r#gen();
+    let (replay, mismatch) = (share(options.replay_ratio), share(options.mismatch_ratio));
+    let unkeyed = share(options.unkeyed_ratio);
+    if roll < replay {
+        let k = rng.gen_range(0..warm);
+        Req {
+            key: Some(load.key(k)),
+            body: body(k),
+            path_is_baseline: false,
+        }
+    } else if roll < replay + mismatch {
+        let k = rng.gen_range(0..warm);
+        Req {
+            key: Some(load.key(k)),
+            body: body(k + 1),
+            path_is_baseline: false,
+        }
+    } else if roll < replay + mismatch + unkeyed {
+        Req {
+            key: None,
+            body: body(i),
+            path_is_baseline: true,
+        }
+    } else {
+        Req {
+            key: Some(load.key(warm + i)),
+            body: body(warm + i),
+            path_is_baseline: false,
+        }
     }
 }
 
@@ -279,12 +339,15 @@ pub async fn bench(options: BenchOptions) -> anyhow::Result<Report> {
         .pool_max_idle_per_host(options.concurrency.max(1))
         .timeout(Duration::from_secs(60))
         .build()?;
-    let mut id = [0u8; 6];
-    rand::thread_rng().fill_bytes(&mut id);
+    let run_id = options.run_id.clone().unwrap_or_else(|| {
+        let mut id = [0u8; 6];
+        rand::thread_rng().fill_bytes(&mut id);
+        hex::encode(id)
+    });
     let load = Load {
         client,
         options: options.clone(),
-        run_id: hex::encode(id),
+        run_id,
     };
     let n = options.requests.max(1);
     let before = load.effects().await;
@@ -348,18 +411,7 @@ pub async fn bench(options: BenchOptions) -> anyhow::Result<Report> {
             warm_keys = warmed.created_keys;
             let mut rng = rand::thread_rng();
             let plan = (0..n)
-                .map(|i| {
-                    let k = if rng.gen_bool(options.replay_ratio.clamp(0.0, 1.0)) {
-                        rng.gen_range(0..warm)
-                    } else {
-                        warm + i
-                    };
-                    Req {
-                        key: Some(load.key(k)),
-                        body: body(k),
-                        path_is_baseline: false,
-                    }
-                })
+                .map(|i| mixed_request(&load, &mut rng, &options, warm, i))
                 .collect();
             phases.push(load.phase("mixed", plan).await?);
         }
@@ -374,17 +426,7 @@ pub async fn bench(options: BenchOptions) -> anyhow::Result<Report> {
                 .collect();
             keys.sort();
             keys.dedup();
-            let unkeyed: i64 = phases
-                .iter()
-                .filter(|p| p.name == "baseline")
-                .map(|p| {
-                    p.statuses
-                        .iter()
-                        .filter(|(s, _)| (200..300).contains(*s))
-                        .map(|(_, n)| *n as i64)
-                        .sum::<i64>()
-                })
-                .sum();
+            let unkeyed: i64 = phases.iter().map(|p| p.unkeyed_succeeded as i64).sum();
             let expected = keys.len() as i64 + unkeyed;
             Some(Effects {
                 before,

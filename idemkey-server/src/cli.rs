@@ -205,6 +205,17 @@ pub struct BenchArgs {
     /// Share of replays (mixed mode).
     #[arg(long, default_value_t = 0.5)]
     pub replay_ratio: f64,
+    /// Share of requests that reuse a completed key with another body, answered 422 (mixed
+    /// mode).
+    #[arg(long, default_value_t = 0.0)]
+    pub mismatch_ratio: f64,
+    /// Share of requests sent to the unkeyed route without a key (mixed mode).
+    #[arg(long, default_value_t = 0.0)]
+    pub unkeyed_ratio: f64,
+    /// The keys' namespace: keys are bench-<ID>-<n>, a random ID per run by default. The ID
+    /// of an earlier run replays its keys (from the database if the server restarted since).
+    #[arg(long, value_name = "ID")]
+    pub run_id: Option<String>,
     /// The keyed route.
     #[arg(long, default_value = "/v1/payments")]
     pub path: String,

@@ -112,4 +112,50 @@ async fn bench_modes_report_ratios_and_find_no_duplicates() {
     .await;
     assert_eq!(phase(&mixed, "mixed")["statuses"]["201"], 50, "{mixed}");
     assert_eq!(mixed["effects"]["duplicates"], 0);
+
+    // Mismatched replays are refused and make no effect; unkeyed requests make one each.
+    let soak = bench(
+        server.base(),
+        &[
+            "--mode",
+            "mixed",
+            "--requests",
+            "200",
+            "--concurrency",
+            "4",
+            "--replay-ratio",
+            "0.3",
+            "--mismatch-ratio",
+            "0.3",
+            "--unkeyed-ratio",
+            "0.2",
+        ],
+    )
+    .await;
+    let p = phase(&soak, "mixed");
+    let count = |status: &str| p["statuses"][status].as_u64().unwrap_or(0);
+    assert!(count("422") > 0, "some mismatches: {soak}");
+    assert_eq!(count("201") + count("422"), 200, "{soak}");
+    assert_eq!(soak["effects"]["duplicates"], 0, "{soak}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_id_replays_an_earlier_runs_keys_after_a_restart() {
+    let backend = common::Backend::sqlite().await;
+    let args = ["--mode", "replay", "--requests", "20", "--concurrency", "2"];
+    let first = {
+        let server = backend.start(&[]).await;
+        bench(server.base(), &[&args[..], &["--run-id", "again"]].concat()).await
+    };
+    assert_eq!(phase(&first, "fresh")["replayed"], 0, "{first}");
+    assert_eq!(first["effects"]["expected"], 20, "{first}");
+
+    // A new process: no cache, so the first phase replays from the database.
+    let server = backend.start(&[]).await;
+    let second = bench(server.base(), &[&args[..], &["--run-id", "again"]].concat()).await;
+    for name in ["fresh", "replay"] {
+        assert_eq!(phase(&second, name)["replayed"], 20, "{name}: {second}");
+    }
+    assert_eq!(second["effects"]["expected"], 0, "{second}");
+    assert_eq!(second["effects"]["duplicates"], 0, "{second}");
 }
