@@ -3,14 +3,61 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemkey_core::{Clock, Store, protocol};
+use idemkey_core::{Clock, Store, StoreError, Timestamp};
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::{IdempotencyLayer, Metrics};
 
-/// Rows deleted per statement (each batch commits on its own, so live traffic is never
-/// blocked for long).
+/// The most rows deleted per statement (each batch commits on its own, so live traffic is
+/// never blocked for long).
 pub const PURGE_BATCH: u32 = 1000;
+
+/// The fewest rows a batch shrinks to.
+const MIN_BATCH: u32 = 10;
+
+/// How long one batch should hold the store: batches that take longer shrink, shorter ones
+/// grow back (up to [`PURGE_BATCH`]).
+const BATCH_TARGET: Duration = Duration::from_millis(10);
+
+/// The size of the batch after one of `batch` rows that took `took`: halved when it held the
+/// store more than twice [`BATCH_TARGET`], doubled when it took less than half of it.
+fn next_batch(batch: u32, took: Duration) -> u32 {
+    if took > BATCH_TARGET * 2 {
+        (batch / 2).max(MIN_BATCH)
+    } else if took < BATCH_TARGET / 2 {
+        batch.saturating_mul(2).min(PURGE_BATCH)
+    } else {
+        batch
+    }
+}
+
+/// One round of the purge: batches of expired records until one comes back short. Each
+/// batch is a transaction of its own, so on SQLite it takes its turn in the store's writer
+/// queue like any request rather than contending for the write lock; after each batch the
+/// purge pauses as long as the batch took, so it holds the store at most half the time
+/// while there is a backlog; and the batch size follows [`next_batch`], so one batch holds
+/// it for about [`BATCH_TARGET`]. `batch` carries the size from round to round.
+async fn purge_round<S: Store>(
+    store: &S,
+    now: Timestamp,
+    batch: &mut u32,
+) -> Result<u64, StoreError> {
+    let mut total = 0;
+    loop {
+        let started = Instant::now();
+        let mut tx = store.begin().await?;
+        let n = store.purge_batch(&mut tx, now, *batch).await?;
+        store.commit(tx).await?;
+        total += n;
+        if n < u64::from(*batch) {
+            return Ok(total);
+        }
+        let took = started.elapsed();
+        *batch = next_batch(*batch, took);
+        tokio::time::sleep(took).await;
+    }
+}
 
 /// What the purge has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -23,9 +70,14 @@ pub struct PurgeStats {
     pub failures: u64,
 }
 
-/// A background task that deletes expired records every interval, in batches of
+/// A background task that deletes expired records every interval, in batches of at most
 /// [`PURGE_BATCH`], counting them in the layer's [`Metrics`] (`idemkey_purged_total`).
 /// The first round runs at once. The task stops when this handle is dropped.
+///
+/// A backlog (a table full of expired records after downtime or a retention change) is
+/// worked off paced: each batch in a transaction of its own, sized to hold the store for
+/// about 10 ms, followed by a pause as long as it took, so requests wait behind at most one
+/// batch and get the store at least half the time.
 ///
 /// Expired records are never replayed whether or not they are purged; the purge keeps the
 /// table (and its indexes) small. Start one per process, or one per database: several
@@ -76,9 +128,10 @@ impl PurgeTask {
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(every.max(Duration::from_secs(1)));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut batch = PURGE_BATCH;
             loop {
                 tick.tick().await;
-                let result = protocol::purge_expired(&store, clock.now(), PURGE_BATCH).await;
+                let result = purge_round(&store, clock.now(), &mut batch).await;
                 match &result {
                     Ok(n) => {
                         metrics.purged(*n);
@@ -135,5 +188,29 @@ impl<S: Store> IdempotencyLayer<S> {
             self.config.metrics.clone(),
             self.config.clock.clone(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slow_batch_shrinks_and_a_quick_one_grows_back() {
+        let slow = BATCH_TARGET * 3;
+        let quick = BATCH_TARGET / 4;
+        assert_eq!(next_batch(1000, slow), 500);
+        assert_eq!(next_batch(500, BATCH_TARGET), 500, "on target: kept");
+        assert_eq!(next_batch(500, quick), 1000);
+        assert_eq!(
+            next_batch(1000, quick),
+            PURGE_BATCH,
+            "never above the maximum"
+        );
+        let mut batch = PURGE_BATCH;
+        for _ in 0..20 {
+            batch = next_batch(batch, slow);
+        }
+        assert_eq!(batch, MIN_BATCH, "never below the minimum");
     }
 }
