@@ -13,7 +13,7 @@
 #
 # Purge under load (PURGE=1, the default): LARGE expired records are loaded beside the large
 # database's live ones, a server starts with --purge-interval 1s (its first round starts at
-# once and deletes them in batches of 1000) and the same fresh load runs while it purges; once
+# once and deletes them in paced batches of at most 1000) and the same fresh load runs while it purges; once
 # the server logs the round's end, the same load runs again without a purge, on the same
 # server (and the scale run's large database is a second reference). Target: p99 with purge
 # <= 2x p99 without.
