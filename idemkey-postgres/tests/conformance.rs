@@ -227,23 +227,10 @@ async fn begin_survives_terminated_idle_connections() {
     assert_eq!(h.count_effects().await, 1);
 }
 
-/// Owns `claim` on the layer's path, writes `label`, stores `created()` with the commit.
+/// Claims `claim` on the layer's path; when it owns the key, writes `label` and stores a
+/// 201 with the commit.
 async fn run_pipelined(h: &PgHarness, store: &PgStore, claim: &Claim, label: &str) -> ClaimOutcome {
-    let (tx, outcome) = protocol::begin_claim(store, claim, None)
-        .await
-        .expect("claim");
-    match (&outcome, tx) {
-        (ClaimOutcome::Owned { token, .. }, Some(mut tx)) => {
-            h.write_effect(&mut tx, label).await;
-            store
-                .complete_and_commit(tx, &claim.id, *token, &created(), claim.now)
-                .await
-                .expect("complete and commit");
-        }
-        (_, Some(tx)) => store.commit(tx).await.expect("commit"),
-        (_, None) => {}
-    }
-    outcome
+    idemkey_testkit::conformance::run_once_on(h, store, claim, label, "{}").await
 }
 
 /// The claim's transaction begins and ends in messages of several statements, with sqlx

@@ -90,7 +90,18 @@ fn response(body: &str) -> StoredResponse {
 /// writes an effect labelled `label` and stores `body` with the commit
 /// ([`Store::complete_and_commit`]). Returns what the claim answered.
 async fn run_once<H: Harness>(h: &H, claim: &Claim, label: &str, body: &str) -> ClaimOutcome {
-    let store = h.store();
+    run_once_on(h, h.store(), claim, label, body).await
+}
+
+/// [`run_once`] on another store over the harness's database (a store with another pool,
+/// say), for a store's own tests.
+pub async fn run_once_on<H: Harness>(
+    h: &H,
+    store: &H::Store,
+    claim: &Claim,
+    label: &str,
+    body: &str,
+) -> ClaimOutcome {
     let (tx, outcome) = protocol::begin_claim(store, claim, None)
         .await
         .expect("claim");
