@@ -153,12 +153,47 @@ fn record(row: RecordRow) -> Result<Record, StoreError> {
     Record::try_from(row)
 }
 
-/// SQLSTATE `idemkey_complete(…, true)` raises (migration 0005): the completion matched no
-/// row carrying the owner's token.
+/// SQLSTATE `idemkey_expect_owned` raises (migration 0005): the completion matched no row
+/// carrying the owner's token.
 const NOT_OWNED: &str = "IK001";
 
 /// SQLSTATE 23505 unique_violation.
 const UNIQUE_VIOLATION: &str = "23505";
+
+/// SQLSTATE 26000 invalid_sql_statement_name: the connection has not prepared the
+/// statement (yet).
+const UNDEFINED_PREPARED: &str = "26000";
+
+/// The two statements [`PgStore::begin_claim`] and [`PgStore::complete_and_commit`] send with
+/// `BEGIN` and `COMMIT`, prepared once per connection (in the message of its first claim),
+/// so the server plans them once, not on every call. The completion is guarded by
+/// `idemkey_expect_owned` (migration 0005): it fails, and so skips the `COMMIT` sent after it,
+/// unless it matched the owner's row.
+const PREPARE: &str = "\
+PREPARE idemkey_claim_v1 (text, bytea, text, bytea, bytea, text, bigint, bigint, bigint, bytea, \
+                          bytea) AS
+    INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint, fingerprint_parts, state,
+                                 token, lease_expires_at, created_at, updated_at, expires_at,
+                                 sealed_key, fingerprint_members)
+    VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11);
+PREPARE idemkey_complete_v1 (text, bytea, text, bigint, integer, bytea, bytea, bigint) AS
+    WITH done AS (
+        UPDATE idemkey_records
+           SET state = 'completed', token = token + 1, lease_expires_at = NULL,
+               response_status = $5, response_headers = $6, response_body = $7,
+               updated_at = $8
+         WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4
+        RETURNING 1
+    )
+    SELECT idemkey_expect_owned(count(*)) FROM done";
+
+/// The SQLSTATE of a database error.
+fn code(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
 
 impl PgStore {
     /// Begins a transaction with `statement` (`None`: `BEGIN`) on a pooled connection.
@@ -212,9 +247,9 @@ impl Store for PgStore {
         tx.commit().await
     }
 
-    /// One round trip for a fresh key: `BEGIN` and a plain `INSERT` of the record (function
-    /// `idemkey_claim`, migration 0005) go in one message. A taken key fails that `INSERT` (unique violation); then the transaction
-    /// begins again (`ROLLBACK; BEGIN`, one message) and [`insert`](Store::insert) claims
+    /// One round trip for a fresh key: `BEGIN` and a plain `INSERT` of the record (the
+    /// prepared `idemkey_claim_v1`, [`PREPARE`]) go in one message. A taken key fails that
+    /// `INSERT` (unique violation); then the transaction begins again (`ROLLBACK; BEGIN`, one message) and [`insert`](Store::insert) claims
     /// the usual way, reading the record that took the key. Such a replay costs one
     /// message more than the usual way, and the server logs the violation as an error; the
     /// replay cache answers most replays before they reach the store.
@@ -233,7 +268,7 @@ impl Store for PgStore {
         let mut claim = Sql::new("BEGIN");
         lock_timeout(&mut claim);
         claim
-            .push("; SELECT idemkey_claim(")
+            .push("; EXECUTE idemkey_claim_v1(")
             .text(&record.id.tenant)?
             .push(", ");
         claim.bytes(&record.id.key_hash).push(", ");
@@ -249,12 +284,24 @@ impl Store for PgStore {
         claim.opt_bytes(record.sealed_key.as_deref()).push(", ");
         let members = record.fingerprint.members.as_ref().map(Members::to_bytes);
         claim.opt_bytes(members.as_deref()).push(")");
-        let (e, conn) = match self.begin_on_pool(Some(claim.finish())).await {
+        let claim = claim.finish();
+        let (e, conn) = match self.begin_on_pool(Some(claim.clone())).await {
             Ok(tx) => return Ok(Begun::Claimed(tx, Inserted::Owned)),
             Err(failed) => failed,
         };
-        let taken = matches!(&e, sqlx::Error::Database(db)
-            if db.code().as_deref() == Some(UNIQUE_VIOLATION));
+        // A connection that has not prepared the two statements yet (a new one, or one a
+        // pooler reset): prepare them and claim again, in one message.
+        let (e, conn) = match conn {
+            Some(conn) if code(&e).as_deref() == Some(UNDEFINED_PREPARED) => {
+                let again = format!("ROLLBACK; {PREPARE}; {claim}");
+                match PgTransaction::begin(conn, Some(again)).await {
+                    Ok(tx) => return Ok(Begun::Claimed(tx, Inserted::Owned)),
+                    Err((e, conn)) => (e, Some(conn)),
+                }
+            }
+            conn => (e, conn),
+        };
+        let taken = code(&e).as_deref() == Some(UNIQUE_VIOLATION);
         let conn = match conn {
             Some(conn) if taken => conn,
             Some(conn) => {
@@ -283,8 +330,9 @@ impl Store for PgStore {
         }
     }
 
-    /// One round trip: the completion (function `idemkey_complete`, strict: it fails, and so
-    /// skips the `COMMIT`, unless it matched the owner's row) and `COMMIT` go in one message.
+    /// One round trip: the completion (the prepared `idemkey_complete_v1`, [`PREPARE`]:
+    /// guarded, it fails, and so skips the `COMMIT`, unless it matched the owner's row) and
+    /// `COMMIT` go in one message.
     async fn complete_and_commit(
         &self,
         tx: PgTransaction,
@@ -294,7 +342,7 @@ impl Store for PgStore {
         now: Timestamp,
     ) -> Result<(), CommitError> {
         let written = (|| {
-            let mut sql = Sql::new("SELECT idemkey_complete(");
+            let mut sql = Sql::new("EXECUTE idemkey_complete_v1(");
             sql.text(&id.tenant)?.push(", ");
             sql.bytes(&id.key_hash).push(", ");
             sql.text(&id.route)?.push(", ");
@@ -302,7 +350,7 @@ impl Store for PgStore {
             sql.int(i64::from(response.status)).push(", ");
             sql.bytes(&response.encode_headers()).push(", ");
             sql.bytes(&response.body).push(", ");
-            sql.int(now.as_millis()).push(", true)");
+            sql.int(now.as_millis()).push(")");
             Ok(sql.finish())
         })();
         let statements = written.map_err(CommitError::NotCommitted)?;
@@ -436,18 +484,25 @@ impl Store for PgStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        sqlx::query_scalar("SELECT idemkey_complete($1, $2, $3, $4, $5, $6, $7, $8, false)")
-            .bind(&id.tenant)
-            .bind(&id.key_hash[..])
-            .bind(&id.route)
-            .bind(token)
-            .bind(i32::from(response.status))
-            .bind(response.encode_headers())
-            .bind(&response.body[..])
-            .bind(now.as_millis())
-            .fetch_one(conn)
-            .await
-            .map_err(error)
+        let done = sqlx::query(
+            "UPDATE idemkey_records
+                SET state = 'completed', token = token + 1, lease_expires_at = NULL,
+                    response_status = $5, response_headers = $6, response_body = $7,
+                    updated_at = $8
+              WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
+        )
+        .bind(&id.tenant)
+        .bind(&id.key_hash[..])
+        .bind(&id.route)
+        .bind(token)
+        .bind(i32::from(response.status))
+        .bind(response.encode_headers())
+        .bind(&response.body[..])
+        .bind(now.as_millis())
+        .execute(conn)
+        .await
+        .map_err(error)?;
+        Ok(done.rows_affected() == 1)
     }
 
     async fn renew(

@@ -306,7 +306,7 @@ async fn killed_after_the_answer_before_the_record_is_settled_by_the_operator() 
         .await;
     let waiting_complete = "SELECT count(*) FROM pg_stat_activity
          WHERE datname = current_database() AND wait_event_type = 'Lock'
-           AND query LIKE '%idemkey_complete(%'";
+           AND query LIKE '%state = ''completed''%'";
     let deadline = Instant::now() + DEADLINE;
     loop {
         let n: i64 = sqlx::query_scalar(waiting_complete)

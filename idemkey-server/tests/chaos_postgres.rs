@@ -298,7 +298,20 @@ async fn a_commit_cut_off_is_settled_by_the_retry_exactly_once() {
         .expect("the proxy starts");
     let (_, proxied) = through(&url, probe.addr());
     let backend = Backend::postgres_at(proxied);
-    let server = backend.start(&["--max-connections", "4"]).await;
+    // The purge commits too (each batch is a transaction): let its first round, which runs
+    // at start, end before a cut is armed, and no other round run during the test.
+    let server = backend
+        .start(&["--max-connections", "4", "--purge-interval", "1h"])
+        .await;
+    let api = server.api();
+    let deadline = Instant::now() + DEADLINE;
+    while api.metric("idemkey_purge_rounds_total").await < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the purge's first round never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let client = load::client(load::patient_policy());
     let base = [server.base().to_owned()];
 

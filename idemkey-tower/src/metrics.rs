@@ -83,6 +83,7 @@ struct Inner {
     outcomes: [AtomicU64; OUTCOMES.len()],
     latency: [Histogram; OUTCOMES.len()],
     purged: AtomicU64,
+    purge_rounds: AtomicU64,
     marked_indeterminate: AtomicU64,
     owner_write_failures: [AtomicU64; OWNER_WRITES.len()],
     reconciled: [AtomicU64; RECONCILED.len()],
@@ -161,6 +162,11 @@ impl Metrics {
     /// Counts records deleted by the purge.
     pub fn purged(&self, n: u64) {
         self.inner.purged.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Counts a round of the purge that ended (with or without an error).
+    pub fn purge_round(&self) {
+        self.inner.purge_rounds.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts an operation this process marked indeterminate (sent, no complete answer).
@@ -302,6 +308,13 @@ impl Metrics {
              # TYPE idemkey_purged_total counter\n\
              idemkey_purged_total {}",
             inner.purged.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP idemkey_purge_rounds_total Rounds of the purge that ended, with or without an error.\n\
+             # TYPE idemkey_purge_rounds_total counter\n\
+             idemkey_purge_rounds_total {}",
+            inner.purge_rounds.load(Ordering::Relaxed)
         );
         let _ = writeln!(
             out,

@@ -132,6 +132,7 @@ impl PurgeTask {
             loop {
                 tick.tick().await;
                 let result = purge_round(&store, clock.now(), &mut batch).await;
+                metrics.purge_round();
                 match &result {
                     Ok(n) => {
                         metrics.purged(*n);
