@@ -249,10 +249,11 @@ impl Store for PgStore {
 
     /// One round trip for a fresh key: `BEGIN` and a plain `INSERT` of the record (the
     /// prepared `idemkey_claim_v1`, [`PREPARE`]) go in one message. A taken key fails that
-    /// `INSERT` (unique violation); then the transaction begins again (`ROLLBACK; BEGIN`, one message) and [`insert`](Store::insert) claims
-    /// the usual way, reading the record that took the key. Such a replay costs one
-    /// message more than the usual way, and the server logs the violation as an error; the
-    /// replay cache answers most replays before they reach the store.
+    /// `INSERT` (unique violation); then the transaction begins again (`ROLLBACK; BEGIN`,
+    /// one message) and [`insert`](Store::insert) claims the usual way, reading the record
+    /// that took the key. Such a replay costs one message more than the usual way, and the
+    /// server logs the violation as an error; the replay cache answers most replays before
+    /// they reach the store.
     async fn begin_claim(
         &self,
         record: &NewRecord,
