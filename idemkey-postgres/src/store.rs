@@ -248,12 +248,12 @@ impl Store for PgStore {
     }
 
     /// One round trip for a fresh key: `BEGIN` and a plain `INSERT` of the record (the
-    /// prepared `idemkey_claim_v1`, [`PREPARE`]) go in one message. A taken key fails that
-    /// `INSERT` (unique violation); then the transaction begins again (`ROLLBACK; BEGIN`,
-    /// one message) and [`insert`](Store::insert) claims the usual way, reading the record
-    /// that took the key. Such a replay costs one message more than the usual way, and the
-    /// server logs the violation as an error; the replay cache answers most replays before
-    /// they reach the store.
+    /// prepared `idemkey_claim_v1`, see `PREPARE` in this file) go in one message. A taken
+    /// key fails that `INSERT` (unique violation); then the transaction begins again
+    /// (`ROLLBACK; BEGIN`, one message) and [`insert`](Store::insert) claims the usual way,
+    /// reading the record that took the key. Such a replay costs one message more than the
+    /// usual way, and the server logs the violation as an error; the replay cache answers
+    /// most replays before they reach the store.
     async fn begin_claim(
         &self,
         record: &NewRecord,
@@ -331,9 +331,9 @@ impl Store for PgStore {
         }
     }
 
-    /// One round trip: the completion (the prepared `idemkey_complete_v1`, [`PREPARE`]:
-    /// guarded, it fails, and so skips the `COMMIT`, unless it matched the owner's row) and
-    /// `COMMIT` go in one message.
+    /// One round trip: the completion (the prepared `idemkey_complete_v1`, see `PREPARE` in
+    /// this file: guarded, it fails, and so skips the `COMMIT`, unless it matched the owner's
+    /// row) and `COMMIT` go in one message.
     async fn complete_and_commit(
         &self,
         tx: PgTransaction,

@@ -212,7 +212,7 @@ pub struct BenchArgs {
     /// Share of requests sent to the unkeyed route without a key (mixed mode).
     #[arg(long, default_value_t = 0.0)]
     pub unkeyed_ratio: f64,
-    /// The keys' namespace: keys are bench-<ID>-<n>, a random ID per run by default. The ID
+    /// The keys' namespace: keys are `bench-ID-N`, with a random ID per run by default. The ID
     /// of an earlier run replays its keys (from the database if the server restarted since).
     #[arg(long, value_name = "ID")]
     pub run_id: Option<String>,

@@ -93,8 +93,10 @@ async fn run_once<H: Harness>(h: &H, claim: &Claim, label: &str, body: &str) -> 
     run_once_on(h, h.store(), claim, label, body).await
 }
 
-/// [`run_once`] on another store over the harness's database (a store with another pool,
-/// say), for a store's own tests.
+/// Claims `claim` on `store` (another store over the harness's database: one with another
+/// pool, say) as the layer does, as the suite's own tests do on the harness's store: when it
+/// owns the key, writes an effect labelled `label` and stores `body` with the commit.
+/// Returns what the claim answered.
 pub async fn run_once_on<H: Harness>(
     h: &H,
     store: &H::Store,
