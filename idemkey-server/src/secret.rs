@@ -144,6 +144,18 @@ fn given(value: Option<&str>, file: Option<&Path>, flag: &str) -> anyhow::Result
     Ok(Some(secret))
 }
 
+/// What `serve` and `gateway` do with their database before they start: run the migrations,
+/// then read (or, where allowed, make) the key secrets they serve with.
+pub async fn migrate_for_start<S: AppDb>(
+    db: &S,
+    url: &str,
+    args: &KeySecretArgs,
+    in_database: bool,
+) -> anyhow::Result<KeySecrets> {
+    db.migrate_all().await.context("migrations failed")?;
+    key_secrets(db, url, args, SecretUse::Start { in_database }).await
+}
+
 /// The key secrets for `db` (at `url`), as `args` and `usage` say.
 ///
 /// A given secret wins. Without one, `serve`/`gateway` keep (or make) one in the database

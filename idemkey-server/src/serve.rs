@@ -24,7 +24,7 @@ use tower::ServiceExt;
 use crate::cli::{KeySecretArgs, OutboxArgs};
 use crate::outbox::{OutboxSink, spawn_relay};
 use crate::problem::ApiError;
-use crate::secret::{KeySecrets, SecretUse, key_secrets, redacted};
+use crate::secret::{KeySecrets, migrate_for_start, redacted};
 use crate::{ApiKeys, AppConfig, AppDb, app};
 
 /// A connected database of either kind.
@@ -315,14 +315,11 @@ where
     F: Future<Output = anyhow::Result<S>>,
 {
     let db = connect().await?;
-    db.migrate_all().await.context("migrations failed")?;
-    let secrets = key_secrets(
+    let secrets = migrate_for_start(
         &db,
         &options.database_url,
         &options.secret,
-        SecretUse::Start {
-            in_database: options.key_secret_in_database,
-        },
+        options.key_secret_in_database,
     )
     .await?;
     Ok((db, secrets))

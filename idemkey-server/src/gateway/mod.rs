@@ -26,7 +26,7 @@ use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
 
 use crate::cli::KeySecretArgs;
 use crate::problem::ApiError;
-use crate::secret::{SecretUse, key_secrets};
+use crate::secret::migrate_for_start;
 use crate::serve::shutdown_signal;
 use crate::{ApiKeys, AppDb};
 
@@ -276,14 +276,11 @@ fn router<S: AppDb>(gw: Gateway<S>) -> Router {
 /// Migrates, then proxies until SIGTERM or Ctrl-C, with the purge and (when configured) the
 /// reconciler running beside it.
 pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result<()> {
-    db.migrate_all().await.context("migrations failed")?;
-    let secrets = key_secrets(
+    let secrets = migrate_for_start(
         &db,
         &options.database_url,
         &options.secret,
-        SecretUse::Start {
-            in_database: options.key_secret_in_database,
-        },
+        options.key_secret_in_database,
     )
     .await?;
     let metrics = Metrics::new();
