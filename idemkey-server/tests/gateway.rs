@@ -12,7 +12,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -25,7 +25,7 @@ use futures::future::join_all;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
-use common::gateway::Gateway;
+use common::gateway::{Gateway, serve_on_own_thread};
 
 const TOKEN: &str = "tok1";
 const TENANT: &str = "t1";
@@ -91,29 +91,12 @@ impl Upstream {
     /// Starts the upstream in its own thread and runtime.
     fn start() -> Self {
         let ledger = Arc::new(Mutex::new(Ledger::default()));
-        let (tx, rx) = mpsc::channel();
-        let state = ledger.clone();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("upstream runtime");
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                    .await
-                    .expect("bind the upstream");
-                tx.send(listener.local_addr().expect("address")).ok();
-                let app = Router::new()
-                    .route(TRANSFERS, post(create).get(lookup))
-                    .fallback(other)
-                    .with_state(state);
-                axum::serve(listener, app).await.expect("upstream");
-            });
-        });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(10))
-            .expect("upstream address");
+        let addr = serve_on_own_thread(
+            Router::new()
+                .route(TRANSFERS, post(create).get(lookup))
+                .fallback(other)
+                .with_state(ledger.clone()),
+        );
         Self {
             ledger,
             base: format!("http://{addr}"),

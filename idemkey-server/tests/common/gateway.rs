@@ -8,7 +8,7 @@
 //! reconciler asks. Any other request is answered 201 `{"ok":true}` and counted.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,7 +24,7 @@ use axum::routing::get;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
 
-use super::postgres_secret;
+use super::{postgres_secret, read_stdout};
 
 /// A held request: answered once released; with `effect`, the effect happens before the
 /// hold, otherwise the connection is closed without an answer or an effect on release.
@@ -61,34 +61,40 @@ pub(crate) struct Upstream {
     pub(crate) base: String,
 }
 
+/// Serves `app` on loopback from a thread and runtime of its own (so that it keeps
+/// answering whatever the test's runtime does), and answers its address.
+pub(crate) fn serve_on_own_thread(app: Router) -> std::net::SocketAddr {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("upstream runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind the upstream");
+            tx.send(listener.local_addr().expect("address")).ok();
+            axum::serve(listener, app).await.expect("upstream");
+        });
+    });
+    rx.recv_timeout(Duration::from_secs(10))
+        .expect("upstream address")
+}
+
 impl Upstream {
     /// Starts it on its own thread and runtime.
     pub(crate) fn start() -> Self {
         let ledger = Arc::new(Mutex::new(Ledger::default()));
         let bell = Arc::new(tokio::sync::watch::channel(0).0);
         let state: Shared = (ledger.clone(), bell.clone());
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("upstream runtime");
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                    .await
-                    .expect("bind the upstream");
-                tx.send(listener.local_addr().expect("address")).ok();
-                let app = Router::new()
-                    .route("/v1/lookup", get(lookup))
-                    .fallback(create)
-                    .with_state(state);
-                axum::serve(listener, app).await.expect("upstream");
-            });
-        });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(10))
-            .expect("upstream address");
+        let addr = serve_on_own_thread(
+            Router::new()
+                .route("/v1/lookup", get(lookup))
+                .fallback(create)
+                .with_state(state),
+        );
         Self {
             ledger,
             bell,
@@ -318,18 +324,7 @@ impl Gateway {
             .spawn()
             .expect("start idemkey gateway");
         let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut tx = Some(tx);
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if let Some(base) = line.strip_prefix("idemkey gateway listening on ")
-                    && let Some(tx) = tx.take()
-                {
-                    let _ = tx.send(base.trim().to_owned());
-                }
-            }
-        });
+        let (rx, _) = read_stdout(stdout, "idemkey gateway listening on ");
         let mut gateway = Self {
             child: Some(child),
             base: String::new(),

@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant, SystemTime};
@@ -235,6 +235,31 @@ impl Snapshot {
     }
 }
 
+/// Reads a child's `stdout` to its end on a thread of its own (a process that prints again
+/// when it stops must not meet a closed pipe), keeping its lines. The channel gets what
+/// follows `announce` on the first line that starts with it: the address a server listens on.
+pub(crate) fn read_stdout(
+    stdout: ChildStdout,
+    announce: &'static str,
+) -> (mpsc::Receiver<String>, Arc<Mutex<Vec<String>>>) {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let (tx, rx) = mpsc::channel();
+    let kept = lines.clone();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if let Some(base) = line.strip_prefix(announce)
+                && let Some(tx) = tx.take()
+            {
+                let _ = tx.send(base.trim().to_owned());
+            }
+            kept.lock().unwrap().push(line);
+        }
+    });
+    (rx, lines)
+}
+
 /// A running `idemkey serve`; killed (SIGKILL) and reaped when dropped.
 #[derive(Debug)]
 pub(crate) struct Server {
@@ -264,25 +289,7 @@ impl Server {
             .expect("start idemkey serve");
         let pid = child.id();
         let stdout = child.stdout.take().expect("piped stdout");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = mpsc::channel();
-        {
-            let lines = lines.clone();
-            // Keeps reading to the end: the server prints again when it stops, and a closed
-            // pipe would make that print fail.
-            std::thread::spawn(move || {
-                let mut tx = Some(tx);
-                for line in BufReader::new(stdout).lines() {
-                    let Ok(line) = line else { break };
-                    if let Some(base) = line.strip_prefix("idemkey listening on ")
-                        && let Some(tx) = tx.take()
-                    {
-                        let _ = tx.send(base.trim().to_owned());
-                    }
-                    lines.lock().unwrap().push(line);
-                }
-            });
-        }
+        let (rx, lines) = read_stdout(stdout, "idemkey listening on ");
         let mut server = Self {
             child: Some(child),
             pid,
