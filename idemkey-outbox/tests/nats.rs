@@ -24,14 +24,14 @@ use futures::StreamExt;
 use idemkey_core::outbox::{Message, MessageState, OutboxStore};
 use idemkey_core::{KeyHasher, Store, Timestamp};
 use idemkey_outbox::{
-    Backoff, DeliveryError, Inbox, NatsConfig, NatsSink, Relay, RelayConfig, Sink,
+    Backoff, DeliveryError, Inbox, NatsConfig, NatsSink, Relay, RelayConfig, Round, Sink,
     consume_jetstream_with, envelope, jetstream_message_id,
 };
 use idemkey_postgres::PgStore;
 use idemkey_testkit::{NatsServer, Stop};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use support::{all_messages, enqueue_many, fresh_postgres};
 
@@ -52,8 +52,16 @@ async fn unsent(store: &PgStore) -> u64 {
     stats.pending + stats.dead
 }
 
-/// Polls `unsent` until at most `left` messages are unsent; fails after `within`.
-async fn until_unsent_at_most(store: &PgStore, left: u64, within: Duration, what: &str) -> u64 {
+/// Waits until at most `left` messages are unsent; fails after `within`. With the `rounds`
+/// of a relay in this process it looks again after each of the relay's rounds; without (a
+/// relay in another process, whose progress only the store shows) it polls the store.
+async fn until_unsent_at_most(
+    store: &PgStore,
+    left: u64,
+    within: Duration,
+    what: &str,
+    mut rounds: Option<watch::Receiver<Round>>,
+) -> u64 {
     let deadline = Instant::now() + within;
     loop {
         let now_unsent = unsent(store).await;
@@ -64,7 +72,13 @@ async fn until_unsent_at_most(store: &PgStore, left: u64, within: Duration, what
             Instant::now() < deadline,
             "{what}: still {now_unsent} unsent after {within:?}"
         );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        match rounds.as_mut() {
+            Some(rounds) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let _ = tokio::time::timeout(left, rounds.changed()).await;
+            }
+            None => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
     }
 }
 
@@ -218,6 +232,7 @@ async fn jetstream_holds_one_copy_per_message_after_relay_crashes_and_a_nats_res
         (N - N / 5) as u64,
         Duration::from_secs(60),
         "relay A",
+        None,
     )
     .await;
     relay_a.kill_9().await;
@@ -239,7 +254,14 @@ async fn jetstream_holds_one_copy_per_message_after_relay_crashes_and_a_nats_res
     let relay_b = Relay::new(store.clone(), b_sink.clone())
         .config(relay_config("relay-b"))
         .spawn();
-    until_unsent_at_most(&store, (N / 2) as u64, Duration::from_secs(60), "relay B").await;
+    until_unsent_at_most(
+        &store,
+        (N / 2) as u64,
+        Duration::from_secs(60),
+        "relay B",
+        Some(relay_b.rounds()),
+    )
+    .await;
     let outage = Instant::now();
     let failed_before = relay_b.rounds().borrow().failed;
     nats = tokio::task::spawn_blocking(move || {
@@ -275,6 +297,7 @@ async fn jetstream_holds_one_copy_per_message_after_relay_crashes_and_a_nats_res
         (N / 4) as u64,
         Duration::from_secs(60),
         "relay B after the restart",
+        Some(relay_b.rounds()),
     )
     .await;
     let b_failed = relay_b.rounds().borrow().failed;
@@ -290,7 +313,14 @@ async fn jetstream_holds_one_copy_per_message_after_relay_crashes_and_a_nats_res
     let relay_c = Relay::new(store.clone(), c_sink.clone())
         .config(relay_config("relay-c"))
         .spawn();
-    until_unsent_at_most(&store, 0, Duration::from_secs(120), "relay C").await;
+    until_unsent_at_most(
+        &store,
+        0,
+        Duration::from_secs(120),
+        "relay C",
+        Some(relay_c.rounds()),
+    )
+    .await;
     relay_c.shutdown().await;
 
     let messages = all_messages(&store).await;
