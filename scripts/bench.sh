@@ -23,15 +23,9 @@ OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
 cargo build --release -q -p idemkey-server
 BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
-WORK=$(mktemp -d /tmp/idemkey-bench.XXXXXX)
-chmod 755 "$WORK"
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  stop_pg
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+# shellcheck source=lib/work.sh
+. scripts/lib/work.sh
+work_dir bench
 
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh

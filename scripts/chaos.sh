@@ -58,15 +58,9 @@ if ! BIN=$PWD/target/debug/idemkey scripts/retry_storm.sh >>"$LOG" 2>&1; then
 fi
 took=$(($(date +%s) - started))
 
-cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
-mem=$(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)
-commit=$(git rev-parse --short HEAD)
-git diff --quiet HEAD -- . 2>/dev/null || commit="$commit (with uncommitted changes)"
-echo "date:     $(date -u '+%Y-%m-%d %H:%M UTC')"
-echo "machine:  $(nproc) cores ($cpu), $mem RAM, $(uname -sr)"
-echo "commit:   $commit"
-echo "command:  CHAOS_OPS=$CHAOS_OPS CHAOS_ITERATIONS=$CHAOS_ITERATIONS IDEMKEY_FUZZ_CASES=$IDEMKEY_FUZZ_CASES scripts/chaos.sh"
-echo "took:     ${took} s (debug build, tests one at a time); full output: $LOG"
+# shellcheck source=lib/work.sh
+. scripts/lib/work.sh
+run_header "CHAOS_OPS=$CHAOS_OPS CHAOS_ITERATIONS=$CHAOS_ITERATIONS IDEMKEY_FUZZ_CASES=$IDEMKEY_FUZZ_CASES scripts/chaos.sh" "(debug build, tests one at a time); full output: $LOG"
 echo
 echo "| scenario | logical ops | client-visible failures | duplicates | records without effect | effects without record | time to recover | notes |"
 echo "|---|---|---|---|---|---|---|---|"

@@ -170,15 +170,9 @@ echo "proxy:" >&2
 cat "$WORK/proxy.log" >&2
 autoctl show state --pgdata "$WORK/monitor" >&2 || true
 
-cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
-mem=$(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)
-commit=$(git rev-parse --short HEAD)
-git diff --quiet HEAD -- . 2>/dev/null || commit="$commit (with uncommitted changes)"
-echo "date:     $(date -u '+%Y-%m-%d %H:%M UTC')"
-echo "machine:  $(nproc) cores ($cpu), $mem RAM, $(uname -sr)"
-echo "commit:   $commit"
-echo "command:  FAILOVER_OPS=$FAILOVER_OPS FAILOVER_CONCURRENCY=$FAILOVER_CONCURRENCY scripts/failover.sh"
-echo "took:     ${took} s (load and audit, release build)"
+# shellcheck source=lib/work.sh
+. scripts/lib/work.sh
+run_header "FAILOVER_OPS=$FAILOVER_OPS FAILOVER_CONCURRENCY=$FAILOVER_CONCURRENCY scripts/failover.sh" "(load and audit, release build)"
 echo
 echo "| scenario | logical ops | client-visible failures | duplicates | records without effect | effects without record | time to recover | notes |"
 echo "|---|---|---|---|---|---|---|---|"

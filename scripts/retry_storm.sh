@@ -16,15 +16,9 @@ if [ -z "${BIN:-}" ]; then
   cargo build --release -q -p idemkey-server
   BIN=$PWD/target/release/idemkey
 fi
-WORK=$(mktemp -d /tmp/idemkey-storm.XXXXXX)
-chmod 755 "$WORK"
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  stop_pg
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+# shellcheck source=lib/work.sh
+. scripts/lib/work.sh
+work_dir storm
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh
 

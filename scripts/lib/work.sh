@@ -1,0 +1,28 @@
+# Sourced by scripts that start servers beside a throwaway PostgreSQL (scripts/lib/pg.sh).
+#
+#   work_dir NAME     a fresh $WORK (/tmp/idemkey-NAME.XXXXXX, readable by the postgres user)
+#                     and an empty PIDS; on exit, every PID in PIDS is killed, PostgreSQL is
+#                     stopped and $WORK is removed
+#   run_header CMD NOTE
+#                     prints the date, the machine, the commit and CMD, and how long the run
+#                     took ($took seconds, then NOTE), for a report's first lines
+
+work_dir() {
+  WORK=$(mktemp -d "/tmp/idemkey-$1.XXXXXX")
+  chmod 755 "$WORK"
+  PIDS=()
+  trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; stop_pg; rm -rf "$WORK"' EXIT
+}
+
+run_header() {
+  local cpu mem commit
+  cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
+  mem=$(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)
+  commit=$(git rev-parse --short HEAD)
+  git diff --quiet HEAD -- . 2>/dev/null || commit="$commit (with uncommitted changes)"
+  echo "date:     $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "machine:  $(nproc) cores ($cpu), $mem RAM, $(uname -sr)"
+  echo "commit:   $commit"
+  echo "command:  $1"
+  echo "took:     ${took} s $2"
+}
