@@ -9,6 +9,8 @@
 //!
 //! **External mode** ([`reserve`] and [`Lease`]): the claim commits at once with a lease and
 //! a fencing token; every later write carries the token and is refused when it is stale.
+//! [`reserve_at_point_of_no_return`] is the same claim with the point of no return marked in
+//! the reservation's write, for an owner that calls out at once.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -160,7 +162,33 @@ pub async fn complete<S: Store>(
 /// On [`ClaimOutcome::Owned`], build a [`Lease`] from the token and carry every later write
 /// through it.
 pub async fn reserve<S: Store>(store: &S, claim: &Claim, lease: Duration) -> Result<ClaimOutcome> {
-    let record = new_record(claim, RecordState::Reserved, Some(claim.now.plus(lease)));
+    reserve_as(store, claim, lease, RecordState::Reserved).await
+}
+
+/// External mode, for an owner that calls out as soon as it holds the key: reserves the key
+/// with the point of no return already marked (`executing`), one write instead of two.
+///
+/// Build the [`Lease`] with [`Lease::marked_at_reservation`]: its
+/// [`point_of_no_return`](Lease::point_of_no_return) then writes nothing. The cost is in the
+/// crash window: an owner that vanishes after this write and before its request left leaves
+/// the operation indeterminate (resolved by a reconciler or an operator) instead of free for
+/// a retry to take over once the lease lapses. A failure the owner sees itself (the other
+/// service refused the connection) still releases the key.
+pub async fn reserve_at_point_of_no_return<S: Store>(
+    store: &S,
+    claim: &Claim,
+    lease: Duration,
+) -> Result<ClaimOutcome> {
+    reserve_as(store, claim, lease, RecordState::Executing).await
+}
+
+async fn reserve_as<S: Store>(
+    store: &S,
+    claim: &Claim,
+    lease: Duration,
+    state: RecordState,
+) -> Result<ClaimOutcome> {
+    let record = new_record(claim, state, Some(claim.now.plus(lease)));
     let mut conn = store.acquire().await?;
     claim_after(store, &mut conn, &record, claim, None).await
 }
@@ -311,6 +339,9 @@ pub struct Lease<S> {
     token: i64,
     duration: Duration,
     clock: Arc<dyn Clock>,
+    /// `Some(until)`: the reservation marked the point of no return, and its lease lapses at
+    /// `until` unless renewed.
+    marked: Option<Timestamp>,
 }
 
 impl<S: Store> Lease<S> {
@@ -322,7 +353,17 @@ impl<S: Store> Lease<S> {
             token,
             duration,
             clock: Arc::new(SystemClock),
+            marked: None,
         }
+    }
+
+    /// For a reservation from [`reserve_at_point_of_no_return`] made at `reserved_at` (the
+    /// claim's `now`): the point of no return is already marked, and
+    /// [`point_of_no_return`](Self::point_of_no_return) only checks that the reservation's
+    /// own lease has not lapsed.
+    pub fn marked_at_reservation(mut self, reserved_at: Timestamp) -> Self {
+        self.marked = Some(reserved_at.plus(self.duration));
+        self
     }
 
     /// Reads the time from `clock` instead of the system clock.
@@ -349,24 +390,29 @@ impl<S: Store> Lease<S> {
     /// Extends the lease by its duration from now.
     pub async fn renew(&self) -> Result<()> {
         let now = self.clock.now();
+        let until = now.plus(self.duration);
         let mut conn = self.store.acquire().await?;
         let ok = self
             .store
-            .renew(
-                &mut conn,
-                &self.id,
-                self.token,
-                now.plus(self.duration),
-                now,
-            )
+            .renew(&mut conn, &self.id, self.token, until, now)
             .await?;
         fenced_unless(ok)
     }
 
     /// Marks the point of no return, just before the request leaves for the other service.
     /// From here on, an owner that vanishes leaves the operation indeterminate.
+    ///
+    /// When the reservation marked it already ([`marked_at_reservation`](Self::marked_at_reservation)),
+    /// this writes nothing, and fails with [`Error::Fenced`] once the reservation's own lease
+    /// has passed, renewed or not: past it, another attempt may have found the record lapsed
+    /// and marked it indeterminate (which a renewal does not undo), and a request sent then
+    /// could be released by a reconciler that asked before it arrived. An owner that calls
+    /// out at once is far inside that bound.
     pub async fn point_of_no_return(&self) -> Result<()> {
         let now = self.clock.now();
+        if let Some(until) = self.marked {
+            return fenced_unless(now < until);
+        }
         let mut conn = self.store.acquire().await?;
         let ok = self
             .store

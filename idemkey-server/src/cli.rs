@@ -281,6 +281,17 @@ pub enum InFlight {
     Reject,
 }
 
+/// Where the gateway marks the point of no return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PointOfNoReturn {
+    /// In the reservation's write: one write less per request; a gateway that dies between
+    /// its reservation and sending leaves the operation indeterminate.
+    WithReservation,
+    /// In a write of its own once the upstream connection is open: a gateway that dies
+    /// before sending leaves the key to be taken over when the lease lapses.
+    Separate,
+}
+
 /// `idemkey serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -403,6 +414,11 @@ pub struct GatewayArgs {
     /// How long a reservation is held without renewal (renewed every third of it).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub lease: Duration,
+    /// Where the point of no return is marked: in the reservation's write (one write less
+    /// per request), or in a write of its own just before the request leaves (a gateway
+    /// that dies in between leaves the key free to take over rather than indeterminate).
+    #[arg(long, value_enum, default_value_t = PointOfNoReturn::WithReservation)]
+    pub point_of_no_return: PointOfNoReturn,
     /// Bound of the TCP connect to the upstream.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub connect_timeout: Duration,

@@ -1,7 +1,9 @@
 //! `idemkey`: parses the command line, wires the parts, reports errors.
 
 use clap::Parser;
-use idemkey_server::cli::{Cli, Command, GatewayArgs, InFlight, KeysCommand, OutboxCommand};
+use idemkey_server::cli::{
+    Cli, Command, GatewayArgs, InFlight, KeysCommand, OutboxCommand, PointOfNoReturn,
+};
 use idemkey_server::gateway::{GatewayOptions, RouteRule, Upstream};
 use idemkey_server::secret::check_before_start;
 use idemkey_server::{
@@ -241,6 +243,7 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
             InFlight::Reject => InFlightPolicy::Reject,
         },
         lease: args.lease,
+        mark_at_reservation: args.point_of_no_return == PointOfNoReturn::WithReservation,
         connect_timeout: args.connect_timeout,
         upstream_timeout: args.upstream_timeout,
         max_request_body: args.max_request_body,

@@ -101,8 +101,9 @@ async fn until_state(gateway: &str, key: &str, wanted: &str) {
 }
 
 /// `kill -9` before the request left (the gateway waits after its reservation, a hidden
-/// test aid): nothing reached the upstream; after the lease lapses, the client's retry with
-/// the same key through a new gateway takes over and executes once.
+/// test aid), with the point of no return in a write of its own: nothing reached the
+/// upstream; after the lease lapses, the client's retry with the same key through a new
+/// gateway takes over and executes once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_before_the_request_left_executes_once_after_the_lease() {
     let upstream = Upstream::start();
@@ -112,7 +113,12 @@ async fn killed_before_the_request_left_executes_once_after_the_lease() {
         &url,
         &upstream.base,
         dir.path(),
-        &[&lease[..], &["--simulate-delay-before-forward", "60000"]].concat(),
+        &[
+            &lease[..],
+            &["--point-of-no-return", "separate"],
+            &["--simulate-delay-before-forward", "60000"],
+        ]
+        .concat(),
     )
     .await;
     let op = Operation::new();

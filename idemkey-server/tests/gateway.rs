@@ -446,19 +446,23 @@ async fn until_final(client: &Client, key: &str, amount: i64) -> Answer {
     }
 }
 
-/// Waits (bounded) until `key` has a record, as the status resource shows it.
-async fn until_reserved(client: &Client, key: &str) {
+/// Polls the status resource of `key` (another process's record) until it exists, and
+/// checks that its state is `state`.
+async fn until_reserved_as(client: &Client, key: &str, state: &str) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let status = client.get(&format!("/idempotency/v1/keys/{key}")).await;
         if status.status == 200 {
-            assert_eq!(status.json()["records"][0]["state"], "reserved");
+            assert_eq!(status.json()["records"][0]["state"], state);
             return;
         }
         assert!(Instant::now() < deadline, "{key}: never reserved");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The point of no return in a write of its own: the record is `reserved` until then.
+const SEPARATE: [&str; 2] = ["--point-of-no-return", "separate"];
 
 // ---------------------------------------------------------------------------------------
 // Races.
@@ -556,8 +560,9 @@ async fn race_across_two_gateways_postgres() {
 // ---------------------------------------------------------------------------------------
 // Crashes, time-outs, refused connections.
 
-/// Killed after the reservation, before anything was sent: once the lease lapses, a retry
-/// through a new gateway takes over and the upstream sees exactly one effect.
+/// With the point of no return in a write of its own: killed after the reservation, before
+/// anything was sent. Once the lease lapses, a retry through a new gateway takes over and
+/// the upstream sees exactly one effect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_before_forwarding_is_taken_over() {
     let upstream = Upstream::start();
@@ -565,12 +570,16 @@ async fn killed_before_forwarding_is_taken_over() {
     let mut first = db
         .gateway(
             &upstream.base,
-            &["--lease", "1s", "--simulate-delay-before-forward", "2000"],
+            &[
+                &SEPARATE[..],
+                &["--lease", "1s", "--simulate-delay-before-forward", "2000"],
+            ]
+            .concat(),
         )
         .await;
     let client = client_of(&first);
     let pending = tokio::spawn(async move { client.try_transfer("crash-before", 7).await });
-    until_reserved(&client_of(&first), "crash-before").await;
+    until_reserved_as(&client_of(&first), "crash-before", "reserved").await;
     first.kill9();
     assert!(
         pending.await.expect("task").is_err(),
@@ -589,6 +598,97 @@ async fn killed_before_forwarding_is_taken_over() {
     assert!(again.replayed());
     assert_eq!(again.body, answer.body);
     assert_eq!(upstream.effects("crash-before"), 1);
+}
+
+/// With the point of no return in the reservation's write (the default): killed after the
+/// reservation, before anything was sent. The record says the request may have left, so
+/// once the lease lapses a retry gets 409 outcome-unknown, never an execution; the
+/// reconciler then learns from the upstream that nothing arrived and releases the key, and
+/// the next retry executes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_between_a_marked_reservation_and_sending_is_reconciled() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let mut first = db
+        .gateway(
+            &upstream.base,
+            &["--lease", "1s", "--simulate-delay-before-forward", "60000"],
+        )
+        .await;
+    let client = client_of(&first);
+    let pending = tokio::spawn(async move { client.try_transfer("crash-marked", 3).await });
+    until_reserved_as(&client_of(&first), "crash-marked", "executing").await;
+    first.kill9();
+    assert!(pending.await.expect("task").is_err());
+    assert_eq!(upstream.effects("crash-marked"), 0, "nothing was sent");
+
+    // The retry waits (--in-flight wait) until the lease lapses, then gets the unknown.
+    let second = db.gateway(&upstream.base, &["--lease", "1s"]).await;
+    let answer = client_of(&second).transfer("crash-marked", 3).await;
+    answer.assert_problem(409, "outcome-unknown");
+    assert_eq!(upstream.effects("crash-marked"), 0, "not taken over");
+    drop(second);
+
+    let reconciling = db
+        .gateway(
+            &upstream.base,
+            &[
+                "--reconcile-url",
+                &upstream.reconcile_url(),
+                "--reconcile-interval",
+                "200ms",
+            ],
+        )
+        .await;
+    // Polled: the reconciler is another process's timer.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let answer = loop {
+        let answer = client_of(&reconciling).transfer("crash-marked", 3).await;
+        if answer.status != 409 || Instant::now() > deadline {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(answer.status, 201, "{}", answer.text());
+    assert!(!answer.replayed(), "executed after the release");
+    assert_eq!(upstream.effects("crash-marked"), 1);
+    assert_eq!(
+        client_of(&reconciling)
+            .metric("idemkey_reconciled_total{result=\"resolved_released\"}")
+            .await,
+        1
+    );
+}
+
+/// With the point of no return in the reservation's write: an owner stopped past its lease
+/// finds, when it resumes, that it may no longer send. The retry that found the lease lapsed
+/// got 409 outcome-unknown; the owner, which knows that nothing left, then releases the key,
+/// and the next retry executes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_past_its_marked_lease_does_not_send() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let stale = db
+        .gateway(
+            &upstream.base,
+            &["--lease", "1s", "--simulate-delay-before-forward", "1500"],
+        )
+        .await;
+    let client = client_of(&stale);
+    let pending = tokio::spawn(async move { client.transfer("stale-marked", 6).await });
+    until_reserved_as(&client_of(&stale), "stale-marked", "executing").await;
+    stale.signal("-STOP");
+    let other = db.gateway(&upstream.base, &["--lease", "1s"]).await;
+    let answer = client_of(&other).transfer("stale-marked", 6).await;
+    answer.assert_problem(409, "outcome-unknown");
+    stale.signal("-CONT");
+    let late = pending.await.expect("task");
+    late.assert_problem(409, "request-in-flight");
+    assert_eq!(upstream.effects("stale-marked"), 0, "never sent");
+    let again = client_of(&other).transfer("stale-marked", 6).await;
+    assert_eq!(again.status, 201, "{}", again.text());
+    assert!(!again.replayed(), "released by its owner, then executed");
+    assert_eq!(upstream.effects("stale-marked"), 1);
 }
 
 /// Killed after forwarding: once the lease lapses, retries get 409 outcome-unknown and never
@@ -821,12 +921,16 @@ async fn stale_owner_cannot_overwrite_the_newer_outcome() {
     let stale = db
         .gateway(
             &upstream.base,
-            &["--lease", "1s", "--simulate-delay-before-forward", "1500"],
+            &[
+                &SEPARATE[..],
+                &["--lease", "1s", "--simulate-delay-before-forward", "1500"],
+            ]
+            .concat(),
         )
         .await;
     let client = client_of(&stale);
     let pending = tokio::spawn(async move { client.transfer("stale", 4).await });
-    until_reserved(&client_of(&stale), "stale").await;
+    until_reserved_as(&client_of(&stale), "stale", "reserved").await;
     stale.signal("-STOP");
     let fresh = db.gateway(&upstream.base, &["--lease", "1s"]).await;
     let answer = until_final(&client_of(&fresh), "stale", 4).await;

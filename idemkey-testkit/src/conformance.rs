@@ -748,6 +748,79 @@ pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harnes
     );
 }
 
+/// A reservation that marks the point of no return in its own write: it holds off other
+/// attempts like any reservation and completes with its token; its owner passes the point of
+/// no return without a write while the reservation's lease lives and is refused after; a
+/// lapsed one is never taken over (the request may have left) but turns indeterminate; and
+/// an owner that knows nothing left can still release the key.
+pub async fn reservation_marked_at_the_point_of_no_return<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let lease = Duration::from_secs(30);
+    let reserve = |id: RecordId, at: Timestamp| {
+        let store = store.clone();
+        async move {
+            protocol::reserve_at_point_of_no_return(&store, &claim_at(&id, 1, at), lease)
+                .await
+                .expect("reserve")
+        }
+    };
+    let owned = |outcome: ClaimOutcome| match outcome {
+        ClaimOutcome::Owned { token, .. } => token,
+        other => panic!("must own the key: {other:?}"),
+    };
+
+    // Completed by its owner.
+    let done = id("t1", "/v1/transfers", "k-marked-done");
+    let now = Timestamp::now();
+    let token = owned(reserve(done.clone(), now).await);
+    assert_eq!(
+        fetch(&h, &done).await.expect("record").state,
+        RecordState::Executing
+    );
+    let second = reserve(done.clone(), now).await;
+    assert!(
+        matches!(second, ClaimOutcome::InFlight { .. }),
+        "{second:?}"
+    );
+    let owner = Lease::new(store.clone(), done.clone(), token, lease).marked_at_reservation(now);
+    owner.point_of_no_return().await.expect("inside the lease");
+    owner
+        .complete(&response("{\"ok\":true}"))
+        .await
+        .expect("complete");
+    let replay = reserve(done.clone(), Timestamp::now()).await;
+    assert!(matches!(replay, ClaimOutcome::Replay { .. }), "{replay:?}");
+
+    // Lapsed: never taken over, and its owner may no longer send.
+    let lapsed = id("t1", "/v1/transfers", "k-marked-lapsed");
+    let then = Timestamp::now().minus(HOUR);
+    let token = owned(reserve(lapsed.clone(), then).await);
+    let late = Lease::new(store.clone(), lapsed.clone(), token, lease).marked_at_reservation(then);
+    assert!(matches!(
+        late.point_of_no_return().await,
+        Err(protocol::Error::Fenced)
+    ));
+    let retry = reserve(lapsed.clone(), Timestamp::now()).await;
+    assert!(
+        matches!(retry, ClaimOutcome::OutcomeUnknown { .. }),
+        "{retry:?}"
+    );
+    assert_eq!(
+        fetch(&h, &lapsed).await.expect("record").state,
+        RecordState::Indeterminate
+    );
+
+    // Nothing left: the owner releases, and the next attempt executes.
+    let freed = id("t1", "/v1/transfers", "k-marked-freed");
+    let token = owned(reserve(freed.clone(), now).await);
+    Lease::new(store.clone(), freed.clone(), token, lease)
+        .marked_at_reservation(now)
+        .release()
+        .await
+        .expect("release");
+    owned(reserve(freed.clone(), Timestamp::now()).await);
+}
+
 /// An operator may release an indeterminate operation; the next attempt executes it.
 pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
     let store = h.store().clone();
@@ -954,6 +1027,7 @@ macro_rules! conformance_tests {
             reservation_holds_the_key_while_leased,
             takeover_before_point_of_no_return_fences_the_stale_owner,
             lapsed_lease_after_point_of_no_return_turns_indeterminate,
+            reservation_marked_at_the_point_of_no_return,
             released_indeterminate_record_executes_again,
             released_reservation_frees_the_key,
             resolutions_are_audited_and_sealed_keys_kept,

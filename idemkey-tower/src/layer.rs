@@ -33,6 +33,8 @@ pub(crate) struct Config {
     pub(crate) route: Option<String>,
     /// `Some(lease)`: external mode (see [`External`](crate::External)).
     pub(crate) external: Option<Duration>,
+    /// External mode: the reservation marks the point of no return.
+    pub(crate) marked_at_reservation: bool,
     /// External mode: seals the raw key into the record, for a reconciler.
     pub(crate) seal: Option<KeySeal>,
     pub(crate) clock: Arc<dyn Clock>,
@@ -121,6 +123,7 @@ impl<S> IdempotencyLayer<S> {
                 answers: AnswerRule::default(),
                 route: None,
                 external: None,
+                marked_at_reservation: false,
                 seal: None,
                 clock: Arc::new(SystemClock),
                 cache: Some(Arc::new(ReplayCache::new(
@@ -289,6 +292,30 @@ impl<S> IdempotencyLayer<S> {
     /// ```
     pub fn external(self, lease: Duration) -> Self {
         self.with(|c| c.external = Some(lease))
+    }
+
+    /// External mode: the reservation itself marks the point of no return, one write less
+    /// per request, for handlers that call out as soon as they start (`idemkey gateway`).
+    ///
+    /// The handler still calls [`External::point_of_no_return`](crate::External::point_of_no_return)
+    /// just before the request leaves; it then writes nothing, and fails only when the lease
+    /// has lapsed. Returning before it still releases the key. The cost is in the crash
+    /// window: a process that dies after the reservation and before its request left leaves
+    /// the operation indeterminate (a reconciler or an operator resolves it) instead of free
+    /// for a retry to take over once the lease lapses.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use std::time::Duration;
+    ///
+    /// let layer = idempotency
+    ///     .clone()
+    ///     .external(Duration::from_secs(10))
+    ///     .point_of_no_return_at_reservation();
+    /// # }
+    /// ```
+    pub fn point_of_no_return_at_reservation(self) -> Self {
+        self.with(|c| c.marked_at_reservation = true)
     }
 
     /// Counts into `metrics` (share one [`Metrics`] across routes and render it).

@@ -3,8 +3,9 @@
 //!
 //! The gateway is the layer's external mode ([`IdempotencyLayer::external`](idemkey_tower::IdempotencyLayer::external)) with a proxy
 //! handler: a keyed request is reserved with a lease, renewed while the upstream works; the
-//! point of no return is marked once a connection to the upstream is open, just before the
-//! request is written; what becomes of the record afterwards is the layer's one decision
+//! point of no return is passed once a connection to the upstream is open, just before the
+//! request is written (marked by the reservation itself, or, with `--point-of-no-return
+//! separate`, by a write of its own then); what becomes of the record afterwards is the layer's one decision
 //! ([`idemkey_core::after_effect`]) under the route's [`AnswerRule`]. A refused connection
 //! releases the key (nothing was sent); a time-out or reset after sending leaves the
 //! operation indeterminate, resolved later by the reconciler (`reconciler.rs`) or an operator
@@ -159,6 +160,9 @@ pub struct GatewayOptions {
     pub in_flight: InFlightPolicy,
     /// How long an owner holds a reservation without renewing it.
     pub lease: Duration,
+    /// The reservation marks the point of no return (else a write of its own does, once the
+    /// upstream connection is open).
+    pub mark_at_reservation: bool,
     /// Bound of the TCP connect to the upstream.
     pub connect_timeout: Duration,
     /// Bound of the upstream's answer, body included.
@@ -293,9 +297,11 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
         .iter()
         .map(|rule| {
             let sealer = sealer.clone();
-            let layer = base
-                .clone()
-                .external(options.lease)
+            let mut layer = base.clone().external(options.lease);
+            if options.mark_at_reservation {
+                layer = layer.point_of_no_return_at_reservation();
+            }
+            let layer = layer
                 .requirement(rule.requirement)
                 .route(rule.pattern())
                 .answers(rule.answers.clone())

@@ -2,7 +2,9 @@
 //! transaction with. `idemkey gateway` is this flow plus a proxy handler.
 //!
 //! 1. Reserve the key with a lease (under `wait`, poll a reservation held by another attempt
-//!    until its owner finishes or the bound passes).
+//!    until its owner finishes or the bound passes); with
+//!    [`point_of_no_return_at_reservation`](crate::IdempotencyLayer::point_of_no_return_at_reservation),
+//!    the reservation marks the point of no return too.
 //! 2. On its own task, so that a client that hangs up cannot stop it between the point of
 //!    no return and the recorded outcome: run the handler with an [`External`] handle while
 //!    the lease is renewed.
@@ -64,8 +66,11 @@ where
             return keyed.finish(Outcome::StoreError, IdempotencyRejection::Internal);
         }
     };
-    let lease =
+    let mut lease =
         Lease::new(store, claim.id, token, lease_time).with_clock(keyed.config.clock.clone());
+    if keyed.config.marked_at_reservation {
+        lease = lease.marked_at_reservation(claim.now);
+    }
     let owner = tokio::spawn(
         own(keyed, inner, req, lease, claim.fingerprint, expires_at).in_current_span(),
     );
@@ -89,7 +94,12 @@ async fn reserve_waiting<S: Store>(
     let started = Instant::now();
     loop {
         claim.now = keyed.config.clock.now();
-        let outcome = protocol::reserve(&keyed.layer.store, claim, lease).await?;
+        let store = &keyed.layer.store;
+        let outcome = if keyed.config.marked_at_reservation {
+            protocol::reserve_at_point_of_no_return(store, claim, lease).await?
+        } else {
+            protocol::reserve(store, claim, lease).await?
+        };
         match (&outcome, keyed.config.in_flight) {
             (ClaimOutcome::InFlight { .. }, InFlightPolicy::Wait(bound))
                 if started.elapsed() + POLL < bound =>
