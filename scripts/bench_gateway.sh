@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# `idemkey gateway` under load, with its CPU per request (and PostgreSQL's): for SQLite and a
+# throwaway PostgreSQL (fsync on), starts the counting upstream of ../shared/peers (the axum
+# peer with its layer inert, 0 ms effect), the gateway in front of it, and runs
+# `idemkey bench` in fresh and replay mode against POST /payments. Loopback only; bounded by
+# --requests and --duration. The side-by-side comparison with idempotent-proxy is
+# ../shared/peers/gateway_side_by_side.py; this script is for before/after.
+#
+#   scripts/bench_gateway.sh [REQUESTS] [CONCURRENCY] [ROUNDS]
+#
+# BEFORE=path/to/an/older/idemkey runs that build's gateway too, alternating with this
+# build's ROUNDS times (default 2), each on a fresh database; labels `<store>-before`.
+# UPSTREAM=path overrides the upstream binary (built by ../shared/peers/run_all.sh --only none,
+# or `cargo build --release` in ../shared/peers/rust-axum-idempotent).
+#
+# (`idemkey bench`'s fresh mode first runs an unkeyed baseline phase; the upstream refuses
+# unkeyed requests with 400, so that phase only measures the gateway's pass-through.)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REQUESTS=${1:-6000}
+CONCURRENCY=${2:-32}
+ROUNDS=${3:-2}
+OUT=${OUT:-target/bench-results}
+UPSTREAM=${UPSTREAM:-../shared/peers/rust-axum-idempotent/target/release/peer-axum-idempotent}
+[ -x "$UPSTREAM" ] || { echo "no upstream at $UPSTREAM (see the comment at the top)" >&2; exit 2; }
+mkdir -p "$OUT"
+cargo build --release -q -p idemkey-server
+BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
+# shellcheck source=lib/work.sh
+. scripts/lib/work.sh
+work_dir bench-gateway
+# shellcheck source=lib/pg.sh
+. scripts/lib/pg.sh
+start_pg
+
+UP_PORT=$(free_port)
+EFFECT_DELAY_MS=0 INJECT_SESSION=0 PORT=$UP_PORT HOST=127.0.0.1 "$UPSTREAM" >"$WORK/upstream.log" 2>&1 &
+PIDS+=("$!")
+
+run() { # $1 = label, $2 = binary, $3 = database URL, then extra `idemkey bench` arguments
+  local label=$1 bin=$2 db=$3; shift 3
+  local port; port=$(free_port)
+  "$bin" gateway --listen "127.0.0.1:$port" --upstream "http://127.0.0.1:$UP_PORT" \
+    --database-url "$db" --key-secret bench-secret --optional-route "POST /payments" \
+    >"$WORK/gateway-$port.log" 2>&1 &
+  local pid=$!
+  PIDS+=("$pid")
+  for _ in $(seq 100); do
+    grep -q "listening" "$WORK/gateway-$port.log" && break
+    sleep 0.1
+  done
+  for mode in fresh replay; do
+    "$BIN" bench --url "http://127.0.0.1:$port" --token t --mode "$mode" --path /payments \
+      --baseline-path /payments --effects-path "" --requests "$REQUESTS" \
+      --concurrency "$CONCURRENCY" --duration 120s --server-pid "$pid" "$@" --json \
+      >"$OUT/gateway-$label-$mode.json"
+    python3 - "$OUT/gateway-$label-$mode.json" "$label" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+p = r["phases"][-1]
+us = lambda v: "-" if v is None else f"{v:.0f} µs"
+print(f'{sys.argv[2]:<16} {p["name"]:<7} {p["requests_per_second"]:>8.0f} req/s  p99 {p["p99_ms"]:6.1f} ms'
+      f'  cpu/req gateway {us(p.get("server_cpu_us_per_request"))} database {us(p.get("database_cpu_us_per_request"))}'
+      f'  statuses {p["statuses"]}')
+PY
+  done
+  kill "$pid"
+}
+
+n=0
+for _ in $(seq "$ROUNDS"); do
+  n=$((n + 1))
+  if [ -n "${BEFORE:-}" ]; then
+    run sqlite-before "$BEFORE" "sqlite:$WORK/before-$n.db"
+  fi
+  run sqlite "$BIN" "sqlite:$WORK/after-$n.db"
+  if [ -n "${BEFORE:-}" ]; then
+    "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "before_$n"
+    run postgres-before "$BEFORE" "postgres://postgres@127.0.0.1:$PGPORT/before_$n" --database-pid "$PG_PID"
+  fi
+  "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "after_$n"
+  run postgres "$BIN" "postgres://postgres@127.0.0.1:$PGPORT/after_$n" --database-pid "$PG_PID"
+done
+echo "JSON reports in $OUT"
