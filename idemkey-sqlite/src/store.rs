@@ -4,17 +4,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, EvictionNotice, EvictionNotices, Inserted, ListFilter, Members,
-    NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
-    classify_error,
+    AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
+    ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse,
+    Timestamp, classify_error,
 };
-use sqlx::Sqlite;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
+use sqlx::{AssertSqlSafe, SqlSafeStr, Sqlite};
 
 use crate::writer::{SqliteTransaction, Writer};
 
@@ -180,6 +180,147 @@ fn record(row: RecordRow) -> Result<Record, StoreError> {
     Record::try_from(row)
 }
 
+/// The extended result codes of a claim's `INSERT` refused because the key is taken:
+/// SQLITE_CONSTRAINT_PRIMARYKEY (the records' key is their primary key), and
+/// SQLITE_CONSTRAINT_UNIQUE.
+const TAKEN: [&str; 2] = ["1555", "2067"];
+
+/// The SQLite extended result code of `e`, if it is a database error.
+fn code(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+/// What [`SqliteStore::begin_claim`] sends: `BEGIN IMMEDIATE` and the claim's `INSERT`, in
+/// one string run by `sqlite3_exec`, which takes no bound parameters, so the values are
+/// written out as SQL literals (text quoted, bytes in hex). A plain `INSERT` (no
+/// `ON CONFLICT`): a taken key fails it with a constraint error, which ends that statement
+/// only, not the transaction. `None` for text with a NUL, which a C string cannot carry: such
+/// a claim goes step by step, with bound parameters.
+fn claim_statement(r: &NewRecord) -> Option<String> {
+    let members = r.fingerprint.members.as_ref().map(Members::to_bytes);
+    let mut sql = Literals(String::with_capacity(
+        640 + 2 * members.as_ref().map_or(0, Vec::len),
+    ));
+    sql.push(
+        "BEGIN IMMEDIATE; \
+         INSERT INTO idemkey_records \
+             (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token, \
+              lease_expires_at, created_at, updated_at, expires_at, sealed_key, \
+              fingerprint_members) \
+         VALUES (",
+    );
+    sql.text(&r.id.tenant)?.push(", ");
+    sql.bytes(&r.id.key_hash).push(", ");
+    sql.text(&r.id.route)?.push(", ");
+    sql.bytes(&r.fingerprint.digest).push(", ");
+    sql.bytes(&r.fingerprint.parts.to_bytes()).push(", ");
+    sql.text(r.state.as_str())?.push(", 1, ");
+    sql.opt_int(r.lease_expires_at.map(Timestamp::as_millis))
+        .push(", ");
+    sql.int(r.now.as_millis()).push(", ");
+    sql.int(r.now.as_millis()).push(", ");
+    sql.int(r.expires_at.as_millis()).push(", ");
+    sql.opt_bytes(r.sealed_key.as_deref()).push(", ");
+    sql.opt_bytes(members.as_deref()).push(")");
+    Some(sql.0)
+}
+
+/// SQL text with values written into it as literals.
+struct Literals(String);
+
+impl Literals {
+    fn push(&mut self, sql: &str) -> &mut Self {
+        self.0.push_str(sql);
+        self
+    }
+
+    /// A quoted string (`'` doubled; SQLite has no other escapes); `None` if it holds a NUL.
+    fn text(&mut self, text: &str) -> Option<&mut Self> {
+        if text.contains('\0') {
+            return None;
+        }
+        self.0.push('\'');
+        for (i, part) in text.split('\'').enumerate() {
+            if i > 0 {
+                self.0.push_str("''");
+            }
+            self.0.push_str(part);
+        }
+        self.0.push('\'');
+        Some(self)
+    }
+
+    /// A blob literal, `X'…'`.
+    fn bytes(&mut self, bytes: &[u8]) -> &mut Self {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        self.0.reserve(bytes.len() * 2 + 3);
+        self.0.push_str("X'");
+        for b in bytes {
+            self.0.push(char::from(HEX[usize::from(b >> 4)]));
+            self.0.push(char::from(HEX[usize::from(b & 0xf)]));
+        }
+        self.0.push('\'');
+        self
+    }
+
+    fn opt_bytes(&mut self, bytes: Option<&[u8]>) -> &mut Self {
+        match bytes {
+            Some(bytes) => self.bytes(bytes),
+            None => self.push("NULL"),
+        }
+    }
+
+    fn int(&mut self, n: i64) -> &mut Self {
+        use std::fmt::Write as _;
+        let _ = write!(self.0, "{n}");
+        self
+    }
+
+    fn opt_int(&mut self, n: Option<i64>) -> &mut Self {
+        match n {
+            Some(n) => self.int(n),
+            None => self.push("NULL"),
+        }
+    }
+}
+
+/// What [`SqliteStore::complete_and_commit`] sends, in one call with bound parameters (sqlx
+/// binds `?N` by number across the statements of one string): the completion, a guard, then
+/// `COMMIT; BEGIN` (see `SqliteTransaction::commit_batch`). The guard refuses, with a
+/// constraint error, a row in a one-column TEMP table whenever the completion changed no row
+/// (`changes()`: the rows of the last `INSERT`, `UPDATE` or `DELETE` that completed): the
+/// error stops the string there, before the `COMMIT`, and leaves the transaction open to be
+/// rolled back. When the completion did change its row, the guard inserts nothing. The table
+/// is created, empty, on each connection's first completion, in its transaction.
+const COMPLETE_AND_COMMIT: &str = "\
+CREATE TEMP TABLE IF NOT EXISTS idemkey_fence (
+    matched INTEGER, CONSTRAINT idemkey_fenced CHECK (matched = 1));
+UPDATE idemkey_records
+   SET state = 'completed', token = token + 1, lease_expires_at = NULL,
+       response_status = ?5, response_headers = ?6, response_body = ?7, updated_at = ?8
+ WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4;
+INSERT INTO temp.idemkey_fence (matched) SELECT changes() WHERE changes() <> 1;
+COMMIT;
+BEGIN";
+
+/// The statements of [`COMPLETE_AND_COMMIT`] before its `COMMIT`.
+const BEFORE_COMMIT: usize = 3;
+
+/// SQLITE_CONSTRAINT_CHECK, and the name of the guard's constraint in its message.
+const FENCED: (&str, &str) = ("275", "idemkey_fenced");
+
+fn is_fenced(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => {
+            db.code().as_deref() == Some(FENCED.0) && db.message().contains(FENCED.1)
+        }
+        _ => false,
+    }
+}
+
 impl Store for SqliteStore {
     type Connection = SqliteConnection;
     type Transaction = SqliteTransaction;
@@ -193,6 +334,89 @@ impl Store for SqliteStore {
 
     async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
         tx.commit().await
+    }
+
+    /// One hand-off to the writer's worker thread for a fresh key: `BEGIN IMMEDIATE` and
+    /// the claim's `INSERT` in one call (`claim_statement` in this file). A taken key fails
+    /// that `INSERT` and leaves the transaction open, holding the write lock; sqlx is then
+    /// told to count it, and the record that took the key is read in it: three hand-offs,
+    /// as step by step. `lock_wait` does not apply: SQLite's bound is its busy time-out.
+    async fn begin_claim(
+        &self,
+        record: &NewRecord,
+        _lock_wait: Option<Duration>,
+    ) -> Result<Begun<SqliteTransaction>, StoreError> {
+        let Some(claim) = claim_statement(record) else {
+            let mut tx = self.begin().await?;
+            return match self.insert(&mut tx, record).await {
+                Ok(inserted) => Ok(Begun::Claimed(tx, inserted)),
+                Err(StoreError::Busy(_)) => Ok(Begun::Held),
+                Err(e) => Err(e),
+            };
+        };
+        let mut tx = self.writer.turn(&self.pool).await?;
+        let refused = match tx
+            .begin_with(AssertSqlSafe(claim).into_sql_str(), false)
+            .await
+        {
+            Ok(()) => return Ok(Begun::Claimed(tx, Inserted::Owned)),
+            Err(e) => e,
+        };
+        if !code(&refused).is_some_and(|c| TAKEN.contains(&c.as_str())) {
+            let e = error(refused);
+            if matches!(e, StoreError::Busy(_)) {
+                // Only the `BEGIN IMMEDIATE` waits for a lock (the `INSERT` runs holding the
+                // write lock), and `sqlite3_exec` stops at the first failing statement: no
+                // transaction was begun.
+                tx.begun_nothing();
+            }
+            return Err(e);
+        }
+        tx.adopt().await.map_err(error)?;
+        // This transaction holds the write lock: the record that took the key is committed.
+        let inserted = match self.fetch(&mut tx, &record.id).await? {
+            Some(existing) => Inserted::Existing(Box::new(existing)),
+            None => Inserted::Conflict,
+        };
+        Ok(Begun::Claimed(tx, inserted))
+    }
+
+    /// One hand-off to the writer's worker thread: the completion, guarded, and `COMMIT` in
+    /// one call (`COMPLETE_AND_COMMIT` in this file). When the completion matches no row
+    /// carrying `token`, the guard fails before the `COMMIT` and the transaction is rolled
+    /// back: [`CommitError::Fenced`].
+    async fn complete_and_commit(
+        &self,
+        tx: SqliteTransaction,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<(), CommitError> {
+        let batch = sqlx::query(COMPLETE_AND_COMMIT)
+            .bind(&id.tenant)
+            .bind(&id.key_hash[..])
+            .bind(&id.route)
+            .bind(token)
+            .bind(i32::from(response.status))
+            .bind(response.encode_headers())
+            .bind(&response.body[..])
+            .bind(now.as_millis());
+        let Err((completed, e)) = tx.commit_batch(batch, BEFORE_COMMIT, is_fenced).await else {
+            return Ok(());
+        };
+        Err(match completed {
+            // The guard, or a statement before it, refused: the `COMMIT` did not run.
+            _ if is_fenced(&e) => CommitError::Fenced,
+            n if n < BEFORE_COMMIT && matches!(e, sqlx::Error::Database(_)) => {
+                CommitError::NotCommitted(error(e))
+            }
+            // The `COMMIT` ran and answered; only the `BEGIN` after it failed.
+            n if n > BEFORE_COMMIT => return Ok(()),
+            // The `COMMIT` failed, or the call did (the worker thread gone): as a failed
+            // `commit`, the outcome is not known.
+            _ => CommitError::Unknown(error(e)),
+        })
     }
 
     async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {

@@ -24,10 +24,12 @@ use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use idemkey_core::StoreError;
 use sqlx::pool::PoolConnection;
-use sqlx::sqlite::{SqliteConnection, SqlitePool, SqliteTransactionManager};
-use sqlx::{SqlStr, Sqlite};
+use sqlx::query::Query;
+use sqlx::sqlite::{SqliteArguments, SqliteConnection, SqlitePool, SqliteTransactionManager};
+use sqlx::{Either, Executor, SqlStr, Sqlite};
 use sqlx_core::transaction::TransactionManager;
 use tokio::sync::{Mutex, OnceCell, OwnedMutexGuard};
 
@@ -69,6 +71,27 @@ impl Writer {
     /// Waits for the turn (first come, first served), then begins an immediate transaction:
     /// SQLite's write lock is taken now, not at the first write.
     pub(crate) async fn begin(&self, pool: &SqlitePool) -> Result<SqliteTransaction, StoreError> {
+        let mut tx = self.turn(pool).await?;
+        match tx
+            .begin_with(SqlStr::from_static("BEGIN IMMEDIATE"), true)
+            .await
+        {
+            Ok(()) => Ok(tx),
+            Err(e) => {
+                let e = error(e);
+                if tx.pooled.is_none() && !matches!(e, StoreError::Busy(_)) {
+                    // Whatever state the writer is in, a new connection starts clean.
+                    tx.discard();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits for the turn (first come, first served) and takes the connection the
+    /// transaction will run on; nothing is begun on it yet
+    /// ([`SqliteTransaction::begin_with`] does).
+    pub(crate) async fn turn(&self, pool: &SqlitePool) -> Result<SqliteTransaction, StoreError> {
         let mut turn = match self.turn.clone().try_lock_owned() {
             Ok(turn) => turn,
             Err(_) => {
@@ -86,30 +109,11 @@ impl Writer {
         } else {
             Some(pool.acquire().await.map_err(error)?)
         };
-        let mut tx = SqliteTransaction {
+        Ok(SqliteTransaction {
             turn,
             pooled,
-            open: false,
-        };
-        // If this is cancelled, sqlx rolls back a `BEGIN` it ran, and the turn is dropped
-        // with `tx`: the next transaction goes.
-        let begun =
-            SqliteTransactionManager::begin(&mut tx, Some(SqlStr::from_static("BEGIN IMMEDIATE")))
-                .await
-                .map_err(error);
-        match begun {
-            Ok(()) => {
-                tx.open = true;
-                Ok(tx)
-            }
-            Err(e) => {
-                if tx.pooled.is_none() && !matches!(e, StoreError::Busy(_)) {
-                    // Whatever state the writer is in, a new connection starts clean.
-                    *tx.turn = None;
-                }
-                Err(e)
-            }
-        }
+            state: State::Idle,
+        })
     }
 
     async fn wait(&self, pool: &SqlitePool) -> Result<Duration, StoreError> {
@@ -129,9 +133,11 @@ impl Writer {
 /// A write transaction on a [`SqliteStore`](crate::SqliteStore) (`BEGIN IMMEDIATE`): it
 /// holds SQLite's write lock and the store's writer turn until it commits or rolls back.
 ///
-/// It dereferences to [`SqliteConnection`], so `&mut *tx` is an sqlx executor. Dropping it
-/// without [`commit`](Self::commit) rolls it back (on a panic, or when the request's future
-/// is dropped too), as sqlx's own transaction does.
+/// It dereferences to [`SqliteConnection`], so `&mut *tx` is an sqlx executor. It is begun
+/// and ended through sqlx's transaction manager, which counts it: a handler's own `begin()`
+/// on `&mut *tx` makes a savepoint. Dropping it without [`commit`](Self::commit) rolls it
+/// back (on a panic, or when the request's future is dropped too), as sqlx's own
+/// transaction does.
 #[derive(Debug)]
 pub struct SqliteTransaction {
     /// The writer turn, holding the store's own writer connection if it keeps one.
@@ -139,8 +145,23 @@ pub struct SqliteTransaction {
     /// The connection taken from the pool for this transaction, if the store keeps no
     /// writer of its own. Declared after `turn`, but dropped before it: see `Drop`.
     pooled: Option<PoolConnection<Sqlite>>,
-    /// Until it is committed or rolled back.
-    open: bool,
+    /// What dropping it has to undo.
+    state: State,
+}
+
+/// Where a [`SqliteTransaction`]'s connection stands, for what dropping it has to undo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Nothing begun, or ended: nothing to undo.
+    Idle,
+    /// Begun through sqlx's transaction manager, which counts it: dropping queues its
+    /// rollback.
+    Open,
+    /// Not known: a statement that begins or ends the transaction failed or was cut short,
+    /// and may have left SQLite in a transaction that sqlx does not count (or sqlx counting
+    /// one that SQLite ended). The connection is not used again: closing it rolls back
+    /// whatever is open on it.
+    Unknown,
 }
 
 impl SqliteTransaction {
@@ -149,7 +170,7 @@ impl SqliteTransaction {
         SqliteTransactionManager::commit(&mut self)
             .await
             .map_err(error)?;
-        self.open = false;
+        self.state = State::Idle;
         Ok(())
     }
 
@@ -158,7 +179,93 @@ impl SqliteTransaction {
         SqliteTransactionManager::rollback(&mut self)
             .await
             .map_err(error)?;
-        self.open = false;
+        self.state = State::Idle;
+        Ok(())
+    }
+
+    /// Begins the transaction with `statement`, which starts with `BEGIN IMMEDIATE`; what
+    /// follows it (when `alone` is false) runs in the transaction, in the same call to
+    /// SQLite: one hand-off to the connection's worker thread. It is sent through sqlx's
+    /// transaction manager, which runs it with `sqlite3_exec` (so it takes no bound
+    /// parameters) and counts the transaction when it succeeds and leaves one open.
+    ///
+    /// A `BEGIN` sent `alone` that fails begins nothing, and one cut short after it ran is
+    /// rolled back by sqlx. With statements after it, a failure or a call cut short leaves
+    /// the state unknown (a statement after the `BEGIN` failed, leaving SQLite in a
+    /// transaction sqlx does not count): the connection is not used again unless the caller
+    /// says otherwise ([`begun_nothing`](Self::begun_nothing), [`adopt`](Self::adopt)).
+    pub(crate) async fn begin_with(
+        &mut self,
+        statement: SqlStr,
+        alone: bool,
+    ) -> Result<(), sqlx::Error> {
+        self.state = if alone { State::Idle } else { State::Unknown };
+        SqliteTransactionManager::begin(self, Some(statement)).await?;
+        self.state = State::Open;
+        Ok(())
+    }
+
+    /// The connection is not used again: closing it rolls back whatever is open on it.
+    pub(crate) fn discard(&mut self) {
+        self.state = State::Unknown;
+    }
+
+    /// The statement [`begin_with`](Self::begin_with) sent failed at its `BEGIN`, which
+    /// leaves no transaction: the connection is as it was.
+    pub(crate) fn begun_nothing(&mut self) {
+        self.state = State::Idle;
+    }
+
+    /// Has sqlx count the transaction that a failed [`begin_with`](Self::begin_with) left
+    /// open: its `BEGIN IMMEDIATE` ran, a statement after it failed without ending the
+    /// transaction (a constraint error ends only its statement). Runs no statement, but
+    /// hands off to the worker thread once. Fails (and the connection is not used again)
+    /// if SQLite is not in a transaction after all.
+    pub(crate) async fn adopt(&mut self) -> Result<(), sqlx::Error> {
+        // sqlx checks that the connection is in a transaction after its `BEGIN` statement,
+        // and counts it: an empty statement runs nothing and leaves SQLite as it is.
+        SqliteTransactionManager::begin(self, Some(SqlStr::from_static(""))).await?;
+        self.state = State::Open;
+        Ok(())
+    }
+
+    /// Runs `batch` on the transaction and commits it with the batch's own `COMMIT`, in one
+    /// call (one hand-off to the worker thread). The batch holds `commit_at` statements,
+    /// then `COMMIT; BEGIN`: the `BEGIN` leaves SQLite in a (deferred, empty) transaction,
+    /// as sqlx counts it, which dropping `self` then rolls back (queued behind the batch on
+    /// the connection, not waited for).
+    ///
+    /// On an error, returns it with the number of the batch's statements that completed
+    /// before it. When it is the first `commit_at` statements that failed
+    /// (`completed < commit_at`), nothing was committed and, if `keep(&error)`, the
+    /// transaction is still open, as sqlx counts it: dropping `self` rolls it back. On any
+    /// other error the connection is not used again.
+    pub(crate) async fn commit_batch(
+        mut self,
+        batch: Query<'_, Sqlite, SqliteArguments>,
+        commit_at: usize,
+        keep: impl Fn(&sqlx::Error) -> bool,
+    ) -> Result<(), (usize, sqlx::Error)> {
+        self.state = State::Unknown;
+        let mut completed = 0;
+        let conn: &mut SqliteConnection = &mut self;
+        let mut results = conn.fetch_many(batch);
+        while let Some(result) = results.next().await {
+            match result {
+                Ok(Either::Left(_)) => completed += 1,
+                Ok(Either::Right(_)) => {}
+                Err(e) => {
+                    drop(results);
+                    if completed < commit_at && keep(&e) {
+                        self.state = State::Open;
+                    }
+                    return Err((completed, e));
+                }
+            }
+        }
+        drop(results);
+        // Committed, and `BEGIN` ran again: one transaction open, as sqlx counts it.
+        self.state = State::Open;
         Ok(())
     }
 }
@@ -191,11 +298,18 @@ impl DerefMut for SqliteTransaction {
 
 impl Drop for SqliteTransaction {
     fn drop(&mut self) {
-        // As sqlx's own `Transaction` does: queue the rollback on the connection (it also
-        // copes with a `COMMIT` that ran but whose answer was dropped). On the store's own
-        // writer, the next `BEGIN` runs after it on the same connection.
-        if self.open {
-            SqliteTransactionManager::start_rollback(self);
+        match self.state {
+            State::Idle => {}
+            // As sqlx's own `Transaction` does: queue the rollback on the connection (it
+            // also copes with a `COMMIT` that ran but whose answer was dropped). On the
+            // store's own writer, the next `BEGIN` runs after it on the same connection.
+            State::Open => SqliteTransactionManager::start_rollback(self),
+            // Closing the connection rolls back whatever is open on it; the store's own
+            // writer is opened again by the next transaction.
+            State::Unknown => match &mut self.pooled {
+                Some(conn) => conn.close_on_drop(),
+                None => *self.turn = None,
+            },
         }
         // A pooled connection goes back to the pool before the turn is released.
         drop(self.pooled.take());

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Alternating pairs of two builds on SQLite, fresh keys only: for each pair, `idemkey serve`
+# of BEFORE then of AFTER, each on a fresh database file, loaded by AFTER's `idemkey bench
+# --mode fresh`. One row per run: fresh req/s, the server's CPU µs per fresh request, p99,
+# and the server's context switches per fresh request (voluntary + involuntary, all its
+# threads, from /proc, over the whole run including the unkeyed baseline phase). Loopback
+# only; bounded by --requests and --duration.
+#
+#   scripts/bench_pairs.sh BEFORE AFTER [PAIRS] [REQUESTS] [CONCURRENCY]
+#
+# BEFORE and AFTER are paths to `idemkey` release binaries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BEFORE=$1
+AFTER=$2
+PAIRS=${3:-4}
+REQUESTS=${4:-10000}
+CONCURRENCY=${5:-32}
+OUT=${OUT:-target/bench-results}
+mkdir -p "$OUT"
+# shellcheck source=lib/pg.sh
+. scripts/lib/pg.sh
+# shellcheck source=lib/work.sh
+. scripts/lib/work.sh
+work_dir pairs
+
+switches() { # $1 = pid: context switches of all its threads so far
+  cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ {n += $2} END {print n}'
+}
+
+run() { # $1 = label, $2 = binary
+  local port pid before
+  port=$(free_port)
+  "$2" serve --listen "127.0.0.1:$port" --database-url "sqlite:$WORK/$1.db" \
+    --api-key bench=tok_bench --key-secret bench-secret --max-connections 64 \
+    >"$WORK/serve-$1.log" 2>&1 &
+  pid=$!
+  PIDS+=("$pid")
+  for _ in $(seq 100); do
+    grep -qs "listening" "$WORK/serve-$1.log" && break
+    sleep 0.1
+  done
+  before=$(switches "$pid")
+  "$AFTER" bench --url "http://127.0.0.1:$port" --token tok_bench --mode fresh \
+    --requests "$REQUESTS" --concurrency "$CONCURRENCY" --duration 120s \
+    --server-pid "$pid" --json >"$OUT/pairs-$1.json"
+  echo "$(($(switches "$pid") - before))" >"$OUT/pairs-$1.switches"
+  kill "$pid"
+  wait "$pid" 2>/dev/null || true
+  python3 - "$1" "$OUT/pairs-$1.json" "$OUT/pairs-$1.switches" <<'PY'
+import json, sys
+label, path, switches = sys.argv[1], sys.argv[2], int(open(sys.argv[3]).read())
+r = json.load(open(path))
+fresh = next(p for p in r["phases"] if p["name"] == "fresh")
+total = sum(p["requests"] for p in r["phases"])
+print(f'{label:<12} {fresh["requests_per_second"]:7.0f} req/s · '
+      f'{fresh["server_cpu_us_per_request"]:4.0f} µs · p99 {fresh["p99_ms"]:5.1f} ms · '
+      f'{switches / total:4.1f} switches/req · {fresh["statuses"]} · '
+      f'duplicates {(r.get("effects") or {}).get("duplicates")}')
+PY
+}
+
+for pair in $(seq "$PAIRS"); do
+  run "before-$pair" "$BEFORE"
+  run "after-$pair" "$AFTER"
+done
