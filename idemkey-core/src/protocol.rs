@@ -189,7 +189,7 @@ async fn reserve_as<S: Store>(
     state: RecordState,
 ) -> Result<ClaimOutcome> {
     let record = new_record(claim, state, Some(claim.now.plus(lease)));
-    let mut conn = store.acquire().await?;
+    let mut conn = store.acquire_for_write().await?;
     claim_after(store, &mut conn, &record, claim, None).await
 }
 
@@ -391,7 +391,7 @@ impl<S: Store> Lease<S> {
     pub async fn renew(&self) -> Result<()> {
         let now = self.clock.now();
         let until = now.plus(self.duration);
-        let mut conn = self.store.acquire().await?;
+        let mut conn = self.store.acquire_for_write().await?;
         let ok = self
             .store
             .renew(&mut conn, &self.id, self.token, until, now)
@@ -413,7 +413,7 @@ impl<S: Store> Lease<S> {
         if let Some(until) = self.marked {
             return fenced_unless(now < until);
         }
-        let mut conn = self.store.acquire().await?;
+        let mut conn = self.store.acquire_for_write().await?;
         let ok = self
             .store
             .mark_executing(
@@ -429,7 +429,7 @@ impl<S: Store> Lease<S> {
 
     /// Stores the outcome.
     pub async fn complete(&self, response: &StoredResponse) -> Result<()> {
-        let mut conn = self.store.acquire().await?;
+        let mut conn = self.store.acquire_for_write().await?;
         let ok = self
             .store
             .complete(&mut conn, &self.id, self.token, response, self.clock.now())
@@ -439,14 +439,14 @@ impl<S: Store> Lease<S> {
 
     /// Frees the key: nothing was sent, a retry may execute.
     pub async fn release(&self) -> Result<()> {
-        let mut conn = self.store.acquire().await?;
+        let mut conn = self.store.acquire_for_write().await?;
         let ok = self.store.release(&mut conn, &self.id, self.token).await?;
         fenced_unless(ok)
     }
 
     /// Marks the outcome unknown (a time-out or reset after the request was sent).
     pub async fn mark_indeterminate(&self) -> Result<()> {
-        let mut conn = self.store.acquire().await?;
+        let mut conn = self.store.acquire_for_write().await?;
         let ok = self
             .store
             .mark_indeterminate(&mut conn, &self.id, self.token, self.clock.now())

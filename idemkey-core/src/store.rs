@@ -136,6 +136,17 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Takes a connection from the pool (autocommit).
     fn acquire(&self) -> impl Future<Output = Result<Self::PooledConnection, StoreError>> + Send;
 
+    /// A connection for writes that commit on their own: external mode's reservation and its
+    /// lease's writes. The default takes one from the pool ([`acquire`](Self::acquire)); a
+    /// store that queues its writers (SQLite) hands out its writer in turn instead, so these
+    /// writes wait in the same queue as its transactions rather than in the database's lock.
+    /// Hold it for the statements of one step only.
+    fn acquire_for_write(
+        &self,
+    ) -> impl Future<Output = Result<Self::PooledConnection, StoreError>> + Send {
+        self.acquire()
+    }
+
     /// The claim: inserts `record` unless the identity exists; when it exists, returns the
     /// record committed before the claim began if the store can see it
     /// ([`Inserted::Existing`]), so a replay needs no second read. A store that can tell

@@ -21,4 +21,4 @@ mod store;
 mod writer;
 
 pub use self::store::{EVICTION_POLL, SqliteStore};
-pub use self::writer::SqliteTransaction;
+pub use self::writer::{SqlitePooledConnection, SqliteTransaction};

@@ -9,14 +9,13 @@ use idemkey_core::{
     Timestamp, classify_error,
 };
 use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{AssertSqlSafe, SqlSafeStr, Sqlite};
+use sqlx::{AssertSqlSafe, SqlSafeStr};
 
-use crate::writer::{SqliteTransaction, Writer};
+use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 
 /// An idempotency store in a SQLite database.
 ///
@@ -324,7 +323,7 @@ fn is_fenced(e: &sqlx::Error) -> bool {
 impl Store for SqliteStore {
     type Connection = SqliteConnection;
     type Transaction = SqliteTransaction;
-    type PooledConnection = PoolConnection<Sqlite>;
+    type PooledConnection = SqlitePooledConnection;
 
     async fn begin(&self) -> Result<Self::Transaction, StoreError> {
         // In turn behind this store's other writers, then IMMEDIATE: take the write lock
@@ -420,7 +419,15 @@ impl Store for SqliteStore {
     }
 
     async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {
-        self.pool.acquire().await.map_err(error)
+        let conn = self.pool.acquire().await.map_err(error)?;
+        Ok(SqlitePooledConnection::pooled(conn))
+    }
+
+    /// The writer, in its turn: external mode's autocommit writes queue with the
+    /// transactions instead of meeting them in SQLite's busy handler, and pay no pool ping.
+    async fn acquire_for_write(&self) -> Result<Self::PooledConnection, StoreError> {
+        let turn = self.writer.turn(&self.pool).await?;
+        Ok(SqlitePooledConnection::writer(turn))
     }
 
     async fn insert(

@@ -6,9 +6,11 @@
 //! the slowest claims wait for tens of milliseconds behind a lock that is held for less than
 //! one. So a [`SqliteStore`](crate::SqliteStore)'s write transactions take turns, from a
 //! fair (first come, first served) queue in memory, and hold their turn until they commit
-//! or roll back; SQLite's busy handler is left with
-//! the writers this queue does not see (autocommit statements on
-//! [`acquire`](idemkey_core::Store::acquire)d connections, other processes).
+//! or roll back. External mode's writes that commit on their own (the reservation, the
+//! lease's writes) take the same turn, on the same connection
+//! ([`acquire_for_write`](idemkey_core::Store::acquire_for_write)). SQLite's busy handler is
+//! left with the writers this queue does not see (the application's autocommit statements
+//! on [`acquire`](idemkey_core::Store::acquire)d connections, other processes).
 //!
 //! A store from [`connect`](crate::SqliteStore::connect) takes its writer out of the pool
 //! once (so it has the pool's options) and keeps it: a transaction does not pay the pool's
@@ -127,6 +129,51 @@ impl Writer {
             })
             .await
             .copied()
+    }
+}
+
+/// A connection for statements that commit on their own, from
+/// [`Store::acquire`](idemkey_core::Store::acquire) (one from the pool) or
+/// [`Store::acquire_for_write`](idemkey_core::Store::acquire_for_write) (the store's writer,
+/// in its turn behind the transactions queued before it; nothing is begun on it). It
+/// dereferences to [`SqliteConnection`].
+#[derive(Debug)]
+pub struct SqlitePooledConnection(Autocommit);
+
+#[derive(Debug)]
+enum Autocommit {
+    Pool(PoolConnection<Sqlite>),
+    Writer(SqliteTransaction),
+}
+
+impl SqlitePooledConnection {
+    pub(crate) fn pooled(conn: PoolConnection<Sqlite>) -> Self {
+        Self(Autocommit::Pool(conn))
+    }
+
+    pub(crate) fn writer(turn: SqliteTransaction) -> Self {
+        debug_assert_eq!(turn.state, State::Idle);
+        Self(Autocommit::Writer(turn))
+    }
+}
+
+impl Deref for SqlitePooledConnection {
+    type Target = SqliteConnection;
+
+    fn deref(&self) -> &SqliteConnection {
+        match &self.0 {
+            Autocommit::Pool(conn) => conn,
+            Autocommit::Writer(turn) => turn,
+        }
+    }
+}
+
+impl DerefMut for SqlitePooledConnection {
+    fn deref_mut(&mut self) -> &mut SqliteConnection {
+        match &mut self.0 {
+            Autocommit::Pool(conn) => conn,
+            Autocommit::Writer(turn) => turn,
+        }
     }
 }
 

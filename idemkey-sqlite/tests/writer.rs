@@ -218,8 +218,9 @@ async fn waiting_past_the_busy_timeout_answers_busy() {
     assert_eq!(effects(&store).await, 2);
 }
 
-/// Autocommit writes on pooled connections (external mode) are outside the queue: they wait
-/// for a queued transaction in SQLite's busy handler, and both commit.
+/// Autocommit writes on pooled connections (the application's own, from `acquire`) are
+/// outside the queue: they wait for a queued transaction in SQLite's busy handler, and both
+/// commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn autocommit_writes_still_wait_for_the_writer_in_sqlite() {
     let (_dir, store) = store_with_busy_timeout(SqliteStore::DEFAULT_BUSY_TIMEOUT).await;
@@ -238,4 +239,72 @@ async fn autocommit_writes_still_wait_for_the_writer_in_sqlite() {
     store.commit(tx).await.expect("commit");
     autocommit.await.expect("autocommit write");
     assert_eq!(effects(&store).await, 2);
+}
+
+/// External mode's autocommit writes (the reservation, the lease's completion) take the
+/// writer in turn (`acquire_for_write`), like transactions: 32 reservations completed
+/// through their leases, raced with 32 local-mode transactions, all go through with SQLite's
+/// busy handler off on every connection of the store, pooled ones included. On pooled
+/// connections they would meet each other in SQLite and fail with `SQLITE_BUSY`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn external_writes_queue_with_transactions() {
+    const EACH: usize = 32;
+    let (_dir, store) = store_with_busy_timeout(SqliteStore::DEFAULT_BUSY_TIMEOUT).await;
+    without_busy_handler(&store).await;
+    // Every pooled connection at once (the pool's 8), each with its busy handler off.
+    let mut pooled = Vec::new();
+    for _ in 0..8 {
+        let mut conn = store.acquire().await.expect("acquire");
+        sqlx::query("PRAGMA busy_timeout = 0")
+            .execute(&mut *conn)
+            .await
+            .expect("pragma");
+        pooled.push(conn);
+    }
+    drop(pooled);
+
+    let lease = Duration::from_secs(30);
+    let barrier = Arc::new(Barrier::new(2 * EACH));
+    let external = (0..EACH).map(|i| {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        tokio::spawn(async move {
+            let claim = claim(&format!("ext-{i}"));
+            barrier.wait().await;
+            let reserved = protocol::reserve(&store, &claim, lease).await;
+            let Ok(ClaimOutcome::Owned { token, .. }) = reserved else {
+                panic!("ext-{i} is fresh: {reserved:?}");
+            };
+            let owner = protocol::Lease::new(store.clone(), claim.id.clone(), token, lease);
+            owner
+                .point_of_no_return()
+                .await
+                .expect("point of no return");
+            let response = StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: b"sent".to_vec(),
+            };
+            owner.complete(&response).await.expect("complete");
+        })
+    });
+    let local = (0..EACH).map(|i| {
+        let (store, barrier) = (store.clone(), barrier.clone());
+        tokio::spawn(async move {
+            barrier.wait().await;
+            run_fresh(&store, &format!("local-{i}"))
+                .await
+                .expect("no writer meets SQLITE_BUSY");
+        })
+    });
+    let tasks: Vec<_> = external.chain(local).collect();
+    for task in tasks {
+        task.await.expect("every write goes through");
+    }
+    assert_eq!(effects(&store).await, EACH as i64);
+    for i in 0..EACH {
+        let record = record(&store, &claim(&format!("ext-{i}")).id)
+            .await
+            .expect("record");
+        assert_eq!(record.state, idemkey_core::RecordState::Completed);
+    }
 }
