@@ -15,10 +15,10 @@ use std::time::Duration;
 
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{
-    CommitError, Fingerprint, FingerprintParts, IdempotencyKey, KeyHasher, Record, RecordId,
-    RecordState, Scope, Store, StoreError, StoredResponse, Timestamp,
+    CommitError, Record, RecordId, RecordState, Store, StoreError, StoredResponse, Timestamp,
 };
 use idemkey_sqlite::SqliteStore;
+use idemkey_testkit::conformance::{claim_at, record_id};
 use sqlx::Connection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions};
 use tokio::sync::Barrier;
@@ -116,23 +116,7 @@ impl Db {
 }
 
 fn claim_in(tenant: &str, route: &str, key: &str) -> Claim {
-    let key = IdempotencyKey::parse(key.as_bytes()).expect("valid key");
-    let id = KeyHasher::new(b"claim-secret").record_id(&Scope::new(tenant, "POST", route), &key);
-    Claim {
-        id,
-        fingerprint: Fingerprint {
-            digest: [1; 32],
-            parts: FingerprintParts {
-                params: [0; 8],
-                query: [0; 8],
-                body: [1; 8],
-            },
-            members: None,
-        },
-        now: Timestamp::now(),
-        retention: Duration::from_secs(3600),
-        sealed_key: None,
-    }
+    claim_at(&record_id(tenant, route, key), 1, Timestamp::now())
 }
 
 fn claim(key: &str) -> Claim {

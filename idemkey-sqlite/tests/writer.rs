@@ -7,11 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
-use idemkey_core::{
-    Fingerprint, FingerprintParts, IdempotencyKey, KeyHasher, RecordId, Scope, Store, StoreError,
-    StoredResponse, Timestamp,
-};
+use idemkey_core::{RecordId, Store, StoreError, StoredResponse, Timestamp};
 use idemkey_sqlite::SqliteStore;
+use idemkey_testkit::conformance::{claim_at, record_id};
 use sqlx::sqlite::SqliteConnection;
 use tokio::sync::{Barrier, Notify};
 
@@ -42,24 +40,7 @@ async fn without_busy_handler(store: &SqliteStore) {
 }
 
 fn claim(key: &str) -> Claim {
-    let key = IdempotencyKey::parse(key.as_bytes()).expect("valid key");
-    let id =
-        KeyHasher::new(b"writer-secret").record_id(&Scope::new("t1", "POST", "/v1/payments"), &key);
-    Claim {
-        id,
-        fingerprint: Fingerprint {
-            digest: [1; 32],
-            parts: FingerprintParts {
-                params: [0; 8],
-                query: [0; 8],
-                body: [1; 8],
-            },
-            members: None,
-        },
-        now: Timestamp::now(),
-        retention: Duration::from_secs(3600),
-        sealed_key: None,
-    }
+    claim_at(&record_id("t1", "/v1/payments", key), 1, Timestamp::now())
 }
 
 async fn write_effect(conn: &mut SqliteConnection, label: &str) {

@@ -48,7 +48,8 @@ fn hasher() -> KeyHasher {
     KeyHasher::new(b"conformance-secret")
 }
 
-fn id(tenant: &str, route: &str, key: &str) -> RecordId {
+/// The record identity of `key` under tenant `tenant` and `POST route` (a fixed test secret).
+pub fn record_id(tenant: &str, route: &str, key: &str) -> RecordId {
     let key = IdempotencyKey::parse(key.as_bytes()).expect("test keys are valid");
     hasher().record_id(&Scope::new(tenant, "POST", route), &key)
 }
@@ -65,7 +66,8 @@ fn fp(body: u8) -> Fingerprint {
     }
 }
 
-fn claim_at(id: &RecordId, body: u8, now: Timestamp) -> Claim {
+/// A claim of `id` at `now`, its fingerprint made of `body` (claims with another `body` mismatch).
+pub fn claim_at(id: &RecordId, body: u8, now: Timestamp) -> Claim {
     Claim {
         id: id.clone(),
         fingerprint: fp(body),
@@ -125,7 +127,7 @@ pub async fn run_once_on<H: Harness>(
 /// effect nor the claim; the key is free again.
 pub async fn fenced_completion_commits_nothing<H: Harness>(h: H) {
     let store = h.store();
-    let id = id("t1", "/v1/payments", "k-fenced");
+    let id = record_id("t1", "/v1/payments", "k-fenced");
     let claim = claim_at(&id, 1, Timestamp::now());
     let (tx, outcome) = protocol::begin_claim(store, &claim, None)
         .await
@@ -153,7 +155,7 @@ pub async fn fenced_completion_commits_nothing<H: Harness>(h: H) {
 pub async fn scope_text_is_stored_as_given<H: Harness>(h: H) {
     let tenant = "t'; DROP TABLE idemkey_records; --\\";
     let route = "/v1/it's/\\x41/ünï";
-    let id = id(tenant, route, "k-text");
+    let id = record_id(tenant, route, "k-text");
     let now = Timestamp::now();
     let first = run_once(&h, &claim_at(&id, 1, now), "k-text", "{\"n\":1}").await;
     assert!(matches!(first, ClaimOutcome::Owned { .. }), "{first:?}");
@@ -195,7 +197,7 @@ fn json_fp(body: &str) -> Fingerprint {
 /// back equal (digests only, never pointers), and name the first differing member of a
 /// mismatched retry; a body without them stores none.
 pub async fn member_digests_round_trip<H: Harness>(h: H) {
-    let key = id("t1", "/v1/payments", "k-members");
+    let key = record_id("t1", "/v1/payments", "k-members");
     let now = Timestamp::now();
     let first = json_fp(r#"{"amount":500,"currency":"EUR","items":[{"qty":1},{"qty":2}]}"#);
     let claim = Claim {
@@ -233,7 +235,7 @@ pub async fn member_digests_round_trip<H: Harness>(h: H) {
     assert_eq!(record.fingerprint.members, second.members);
 
     // A fingerprint without member digests stores none.
-    let plain = id("t1", "/v1/payments", "k-no-members");
+    let plain = record_id("t1", "/v1/payments", "k-no-members");
     run_once(&h, &claim_at(&plain, 1, now), "k-no-members", "{}").await;
     let record = fetch(&h, &plain).await.expect("record");
     assert_eq!(record.fingerprint.members, None);
@@ -241,7 +243,7 @@ pub async fn member_digests_round_trip<H: Harness>(h: H) {
 
 /// A fresh key is owned; the retry replays the stored response byte for byte.
 pub async fn claims_fresh_key_then_replays<H: Harness>(h: H) {
-    let id = id("t1", "/v1/payments", "k-1");
+    let id = record_id("t1", "/v1/payments", "k-1");
     let now = Timestamp::now();
     let first = run_once(&h, &claim_at(&id, 1, now), "k-1", "{\"id\":1}").await;
     assert!(
@@ -266,7 +268,7 @@ pub async fn claims_fresh_key_then_replays<H: Harness>(h: H) {
 /// in external mode alike; nothing is written.
 pub async fn claim_on_completed_key_returns_the_record<H: Harness>(h: H) {
     let store = h.store();
-    let id = id("t1", "/v1/payments", "k-done");
+    let id = record_id("t1", "/v1/payments", "k-done");
     let now = Timestamp::now();
     run_once(&h, &claim_at(&id, 1, now), "k-done", "{\"id\":1}").await;
     let stored = fetch(&h, &id).await.expect("record");
@@ -308,7 +310,7 @@ pub async fn claim_on_completed_key_returns_the_record<H: Harness>(h: H) {
 
 /// The same key with another request is refused, naming the part that differs.
 pub async fn rejects_mismatched_fingerprint<H: Harness>(h: H) {
-    let id = id("t1", "/v1/payments", "k-1");
+    let id = record_id("t1", "/v1/payments", "k-1");
     let now = Timestamp::now();
     run_once(&h, &claim_at(&id, 1, now), "k-1", "{}").await;
     let other = run_once(&h, &claim_at(&id, 2, now), "k-1", "{}").await;
@@ -334,7 +336,7 @@ pub async fn rejects_mismatched_fingerprint<H: Harness>(h: H) {
 pub async fn one_of_64_concurrent_claims_owns_the_key<H: Harness>(h: H) {
     let h = Arc::new(h);
     let barrier = Arc::new(Barrier::new(64));
-    let id = id("t1", "/v1/payments", "contended");
+    let id = record_id("t1", "/v1/payments", "contended");
     let now = Timestamp::now();
     let tasks: Vec<_> = (0..64)
         .map(|i| {
@@ -381,7 +383,7 @@ pub async fn two_hundred_keys_sixteen_claimants_one_effect_each<H: Harness>(h: H
         for _ in 0..CLAIMANTS {
             let (h, barrier) = (h.clone(), barrier.clone());
             let key = format!("key-{k}");
-            let claim = claim_at(&id("t1", "/v1/payments", &key), 1, now);
+            let claim = claim_at(&record_id("t1", "/v1/payments", &key), 1, now);
             tasks.push(tokio::spawn(async move {
                 barrier.wait().await;
                 let outcome = run_once(&*h, &claim, &key, &format!("{{\"key\":\"{key}\"}}")).await;
@@ -426,7 +428,7 @@ pub async fn two_hundred_keys_sixteen_claimants_one_effect_each<H: Harness>(h: H
 /// An owner that rolls back leaves neither record nor effect; the next claim owns the key.
 pub async fn rolled_back_owner_leaves_nothing<H: Harness>(h: H) {
     let store = h.store();
-    let id = id("t1", "/v1/payments", "k-rb");
+    let id = record_id("t1", "/v1/payments", "k-rb");
     let claim = claim_at(&id, 1, Timestamp::now());
     let mut tx = store.begin().await.expect("begin");
     let outcome = protocol::claim(store, &mut tx, &claim)
@@ -445,7 +447,7 @@ pub async fn rolled_back_owner_leaves_nothing<H: Harness>(h: H) {
 /// An owner whose session dies mid-transaction leaves neither record nor effect.
 pub async fn severed_owner_leaves_nothing<H: Harness>(h: H) {
     let store = h.store();
-    let id = id("t1", "/v1/payments", "k-sever");
+    let id = record_id("t1", "/v1/payments", "k-sever");
     let claim = claim_at(&id, 1, Timestamp::now());
     let mut tx = store.begin().await.expect("begin");
     let outcome = protocol::claim(store, &mut tx, &claim)
@@ -464,7 +466,7 @@ pub async fn severed_owner_leaves_nothing<H: Harness>(h: H) {
 /// nothing, and a waiting claimant then owns the key.
 pub async fn cancelled_owner_task_leaves_nothing<H: Harness>(h: H) {
     let h = Arc::new(h);
-    let id = id("t1", "/v1/payments", "k-cancel");
+    let id = record_id("t1", "/v1/payments", "k-cancel");
     let claim = claim_at(&id, 1, Timestamp::now());
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
     let owner = {
@@ -492,7 +494,7 @@ pub async fn cancelled_owner_task_leaves_nothing<H: Harness>(h: H) {
 /// A write with a stale token is refused.
 pub async fn stale_token_cannot_complete<H: Harness>(h: H) {
     let store = h.store();
-    let id = id("t1", "/v1/payments", "k-stale");
+    let id = record_id("t1", "/v1/payments", "k-stale");
     let mut tx = store.begin().await.expect("begin");
     let outcome = protocol::claim(store, &mut tx, &claim_at(&id, 1, Timestamp::now()))
         .await
@@ -514,7 +516,7 @@ pub async fn stale_token_cannot_complete<H: Harness>(h: H) {
 /// Expired records are never replayed, and the key can be claimed anew (the work runs
 /// again: the documented limit of retention).
 pub async fn expired_record_is_claimed_anew<H: Harness>(h: H) {
-    let id = id("t1", "/v1/payments", "k-old");
+    let id = record_id("t1", "/v1/payments", "k-old");
     let then = Timestamp::now().minus(RETENTION + HOUR);
     run_once(&h, &claim_at(&id, 1, then), "k-old", "{\"n\":1}").await;
     let now = Timestamp::now();
@@ -534,11 +536,11 @@ pub async fn purge_removes_expired_records_in_batches<H: Harness>(h: H) {
     let store = h.store();
     let old = Timestamp::now().minus(RETENTION + HOUR);
     for i in 0..25 {
-        let id = id("t1", "/v1/payments", &format!("old-{i}"));
+        let id = record_id("t1", "/v1/payments", &format!("old-{i}"));
         run_once(&h, &claim_at(&id, 1, old), "old", "{}").await;
     }
     for i in 0..5 {
-        let id = id("t1", "/v1/payments", &format!("new-{i}"));
+        let id = record_id("t1", "/v1/payments", &format!("new-{i}"));
         run_once(&h, &claim_at(&id, 1, Timestamp::now()), "new", "{}").await;
     }
     let now = Timestamp::now();
@@ -567,7 +569,7 @@ pub async fn purge_removes_expired_records_in_batches<H: Harness>(h: H) {
 pub async fn scopes_are_independent<H: Harness>(h: H) {
     let now = Timestamp::now();
     for (tenant, route) in [("t1", "/a"), ("t2", "/a"), ("t1", "/b")] {
-        let id = id(tenant, route, "shared-key");
+        let id = record_id(tenant, route, "shared-key");
         let outcome = run_once(&h, &claim_at(&id, 1, now), tenant, "{}").await;
         assert!(
             matches!(outcome, ClaimOutcome::Owned { .. }),
@@ -590,7 +592,7 @@ pub async fn scopes_are_independent<H: Harness>(h: H) {
 /// lease lives; the owner completes with its token and retries replay.
 pub async fn reservation_holds_the_key_while_leased<H: Harness>(h: H) {
     let store = h.store().clone();
-    let id = id("t1", "/v1/transfers", "k-ext");
+    let id = record_id("t1", "/v1/transfers", "k-ext");
     let now = Timestamp::now();
     let lease = Duration::from_secs(30);
     let first = protocol::reserve(&store, &claim_at(&id, 1, now), lease)
@@ -629,7 +631,7 @@ pub async fn reservation_holds_the_key_while_leased<H: Harness>(h: H) {
 /// neither renew, pass the point of no return, complete nor release.
 pub async fn takeover_before_point_of_no_return_fences_the_stale_owner<H: Harness>(h: H) {
     let store = h.store().clone();
-    let id = id("t1", "/v1/transfers", "k-takeover");
+    let id = record_id("t1", "/v1/transfers", "k-takeover");
     let lease = Duration::from_secs(30);
     let then = Timestamp::now().minus(HOUR);
     let ClaimOutcome::Owned { token: stale, .. } =
@@ -679,7 +681,7 @@ pub async fn takeover_before_point_of_no_return_fences_the_stale_owner<H: Harnes
 /// handed out for execution again until an operator resolves it.
 pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harness>(h: H) {
     let store = h.store().clone();
-    let id = id("t1", "/v1/transfers", "k-unknown");
+    let id = record_id("t1", "/v1/transfers", "k-unknown");
     let lease = Duration::from_secs(30);
     let ClaimOutcome::Owned { token, .. } =
         protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
@@ -770,7 +772,7 @@ pub async fn reservation_marked_at_the_point_of_no_return<H: Harness>(h: H) {
     };
 
     // Completed by its owner.
-    let done = id("t1", "/v1/transfers", "k-marked-done");
+    let done = record_id("t1", "/v1/transfers", "k-marked-done");
     let now = Timestamp::now();
     let token = owned(reserve(done.clone(), now).await);
     assert_eq!(
@@ -792,7 +794,7 @@ pub async fn reservation_marked_at_the_point_of_no_return<H: Harness>(h: H) {
     assert!(matches!(replay, ClaimOutcome::Replay { .. }), "{replay:?}");
 
     // Lapsed: never taken over, and its owner may no longer send.
-    let lapsed = id("t1", "/v1/transfers", "k-marked-lapsed");
+    let lapsed = record_id("t1", "/v1/transfers", "k-marked-lapsed");
     let then = Timestamp::now().minus(HOUR);
     let token = owned(reserve(lapsed.clone(), then).await);
     let late = Lease::new(store.clone(), lapsed.clone(), token, lease).marked_at_reservation(then);
@@ -811,7 +813,7 @@ pub async fn reservation_marked_at_the_point_of_no_return<H: Harness>(h: H) {
     );
 
     // Nothing left: the owner releases, and the next attempt executes.
-    let freed = id("t1", "/v1/transfers", "k-marked-freed");
+    let freed = record_id("t1", "/v1/transfers", "k-marked-freed");
     let token = owned(reserve(freed.clone(), now).await);
     Lease::new(store.clone(), freed.clone(), token, lease)
         .marked_at_reservation(now)
@@ -824,7 +826,7 @@ pub async fn reservation_marked_at_the_point_of_no_return<H: Harness>(h: H) {
 /// An operator may release an indeterminate operation; the next attempt executes it.
 pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
     let store = h.store().clone();
-    let id = id("t1", "/v1/transfers", "k-release");
+    let id = record_id("t1", "/v1/transfers", "k-release");
     let lease = Duration::from_secs(30);
     let ClaimOutcome::Owned { token, .. } =
         protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
@@ -858,7 +860,7 @@ pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
 /// A released reservation (nothing was sent) frees the key at once.
 pub async fn released_reservation_frees_the_key<H: Harness>(h: H) {
     let store = h.store().clone();
-    let id = id("t1", "/v1/transfers", "k-free");
+    let id = record_id("t1", "/v1/transfers", "k-free");
     let lease = Duration::from_secs(30);
     let ClaimOutcome::Owned { token, .. } =
         protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
@@ -882,7 +884,7 @@ pub async fn released_reservation_frees_the_key<H: Harness>(h: H) {
 /// resolution appends an audit entry that outlives a released record.
 pub async fn resolutions_are_audited_and_sealed_keys_kept<H: Harness>(h: H) {
     let store = h.store().clone();
-    let id = id("t1", "/v1/transfers", "k-audit");
+    let id = record_id("t1", "/v1/transfers", "k-audit");
     let lease = Duration::from_secs(30);
     let mut claim = claim_at(&id, 1, Timestamp::now().minus(HOUR));
     claim.sealed_key = Some(b"sealed-1".to_vec());
@@ -937,7 +939,7 @@ pub async fn resolutions_are_audited_and_sealed_keys_kept<H: Harness>(h: H) {
     );
     assert_eq!(store.audit(&mut conn, &id).await.expect("audit").len(), 1);
     let other = store
-        .audit(&mut conn, &self::id("t2", "/v1/transfers", "k-audit"))
+        .audit(&mut conn, &record_id("t2", "/v1/transfers", "k-audit"))
         .await
         .expect("audit");
     assert!(other.is_empty());
@@ -948,7 +950,7 @@ pub async fn operator_queries_list_and_evict<H: Harness>(h: H) {
     let store = h.store();
     let base = Timestamp::now().minus(HOUR);
     for (i, tenant) in ["t1", "t1", "t2"].iter().enumerate() {
-        let id = id(tenant, "/v1/payments", &format!("op-{i}"));
+        let id = record_id(tenant, "/v1/payments", &format!("op-{i}"));
         let at = base.plus(Duration::from_secs(60 * i as u64));
         run_once(&h, &claim_at(&id, 1, at), "op", "{}").await;
     }
@@ -987,7 +989,7 @@ pub async fn operator_queries_list_and_evict<H: Harness>(h: H) {
         .await
         .expect("list");
     assert_eq!(limited.len(), 1);
-    let victim = id("t2", "/v1/payments", "op-2");
+    let victim = record_id("t2", "/v1/payments", "op-2");
     assert!(store.evict(&mut conn, &victim).await.expect("evict"));
     assert!(!store.evict(&mut conn, &victim).await.expect("evict"));
     assert!(
