@@ -461,6 +461,26 @@ async fn until_reserved_as(client: &Client, key: &str, state: &str) {
     }
 }
 
+/// A gateway whose reconciler asks the upstream every 200 ms.
+async fn reconciling_gateway(db: &Db, upstream: &Upstream) -> Gateway {
+    let url = upstream.reconcile_url();
+    let args = ["--reconcile-url", &url, "--reconcile-interval", "200ms"];
+    db.gateway(&upstream.base, &args).await
+}
+
+/// Retries `key` (bounded) until the answer is no longer a 409: polled, because the
+/// reconciler that settles it is another process's timer.
+async fn until_reconciled(client: &Client, key: &str, amount: i64) -> Answer {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let answer = client.transfer(key, amount).await;
+        if answer.status != 409 || Instant::now() > deadline {
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// The point of no return in a write of its own: the record is `reserved` until then.
 const SEPARATE: [&str; 2] = ["--point-of-no-return", "separate"];
 
@@ -629,26 +649,8 @@ async fn killed_between_a_marked_reservation_and_sending_is_reconciled() {
     assert_eq!(upstream.effects("crash-marked"), 0, "not taken over");
     drop(second);
 
-    let reconciling = db
-        .gateway(
-            &upstream.base,
-            &[
-                "--reconcile-url",
-                &upstream.reconcile_url(),
-                "--reconcile-interval",
-                "200ms",
-            ],
-        )
-        .await;
-    // Polled: the reconciler is another process's timer.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let answer = loop {
-        let answer = client_of(&reconciling).transfer("crash-marked", 3).await;
-        if answer.status != 409 || Instant::now() > deadline {
-            break answer;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let reconciling = reconciling_gateway(&db, &upstream).await;
+    let answer = until_reconciled(&client_of(&reconciling), "crash-marked", 3).await;
     assert_eq!(answer.status, 201, "{}", answer.text());
     assert!(!answer.replayed(), "executed after the release");
     assert_eq!(upstream.effects("crash-marked"), 1);
@@ -727,25 +729,8 @@ async fn killed_after_forwarding_is_unknown_until_reconciled() {
     assert_eq!(upstream.effects("crash-after"), 1, "never re-executed");
     drop(second);
 
-    let reconciling = db
-        .gateway(
-            &upstream.base,
-            &[
-                "--reconcile-url",
-                &upstream.reconcile_url(),
-                "--reconcile-interval",
-                "200ms",
-            ],
-        )
-        .await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let answer = loop {
-        let answer = client_of(&reconciling).transfer("crash-after", 9).await;
-        if answer.status != 409 || Instant::now() > deadline {
-            break answer;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let reconciling = reconciling_gateway(&db, &upstream).await;
+    let answer = until_reconciled(&client_of(&reconciling), "crash-after", 9).await;
     assert_eq!(
         answer.status,
         200,
