@@ -9,11 +9,13 @@ use idemkey_core::{
     Timestamp, classify_error,
 };
 use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::query::Query;
+use sqlx::sqlite::SqliteArguments;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{AssertSqlSafe, SqlSafeStr};
+use sqlx::{AssertSqlSafe, SqlSafeStr, Sqlite};
 
 use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 
@@ -294,16 +296,47 @@ impl Literals {
 /// error stops the string there, before the `COMMIT`, and leaves the transaction open to be
 /// rolled back. When the completion did change its row, the guard inserts nothing. The table
 /// is created, empty, on each connection's first completion, in its transaction.
-const COMPLETE_AND_COMMIT: &str = "\
-CREATE TEMP TABLE IF NOT EXISTS idemkey_fence (
+const COMPLETE_AND_COMMIT: &str = concat!(
+    "CREATE TEMP TABLE IF NOT EXISTS idemkey_fence (
     matched INTEGER, CONSTRAINT idemkey_fenced CHECK (matched = 1));
-UPDATE idemkey_records
-   SET state = 'completed', token = token + 1, lease_expires_at = NULL,
-       response_status = ?5, response_headers = ?6, response_body = ?7, updated_at = ?8
- WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4;
+",
+    complete_sql!(),
+    ";
 INSERT INTO temp.idemkey_fence (matched) SELECT changes() WHERE changes() <> 1;
 COMMIT;
-BEGIN";
+BEGIN"
+);
+
+/// The completion, `?1`–`?8` bound by [`bind_completion`]: alone in
+/// [`complete`](Store::complete), with its guard and `COMMIT` in [`COMPLETE_AND_COMMIT`].
+macro_rules! complete_sql {
+    () => {
+        "UPDATE idemkey_records
+   SET state = 'completed', token = token + 1, lease_expires_at = NULL,
+       response_status = ?5, response_headers = ?6, response_body = ?7, updated_at = ?8
+ WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4"
+    };
+}
+use complete_sql;
+
+/// Binds the completion's values to `query` (see [`complete_sql`]).
+fn bind_completion<'q>(
+    query: Query<'q, Sqlite, SqliteArguments>,
+    id: &'q RecordId,
+    token: i64,
+    response: &'q StoredResponse,
+    now: Timestamp,
+) -> Query<'q, Sqlite, SqliteArguments> {
+    query
+        .bind(&id.tenant)
+        .bind(&id.key_hash[..])
+        .bind(&id.route)
+        .bind(token)
+        .bind(i32::from(response.status))
+        .bind(response.encode_headers())
+        .bind(&response.body[..])
+        .bind(now.as_millis())
+}
 
 /// The statements of [`COMPLETE_AND_COMMIT`] before its `COMMIT`.
 const BEFORE_COMMIT: usize = 3;
@@ -392,15 +425,7 @@ impl Store for SqliteStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<(), CommitError> {
-        let batch = sqlx::query(COMPLETE_AND_COMMIT)
-            .bind(&id.tenant)
-            .bind(&id.key_hash[..])
-            .bind(&id.route)
-            .bind(token)
-            .bind(i32::from(response.status))
-            .bind(response.encode_headers())
-            .bind(&response.body[..])
-            .bind(now.as_millis());
+        let batch = bind_completion(sqlx::query(COMPLETE_AND_COMMIT), id, token, response, now);
         let Err((completed, e)) = tx.commit_batch(batch, BEFORE_COMMIT, is_fenced).await else {
             return Ok(());
         };
@@ -529,24 +554,10 @@ impl Store for SqliteStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE idemkey_records
-                SET state = 'completed', token = token + 1, lease_expires_at = NULL,
-                    response_status = ?5, response_headers = ?6, response_body = ?7,
-                    updated_at = ?8
-              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4",
-        )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .bind(token)
-        .bind(i32::from(response.status))
-        .bind(response.encode_headers())
-        .bind(&response.body[..])
-        .bind(now.as_millis())
-        .execute(conn)
-        .await
-        .map_err(error)?;
+        let done = bind_completion(sqlx::query(complete_sql!()), id, token, response, now)
+            .execute(conn)
+            .await
+            .map_err(error)?;
         Ok(done.rows_affected() == 1)
     }
 
