@@ -36,10 +36,7 @@ serve() { # $1 = database URL, $2 = the binary (default: this build); waits unti
     --key-secret bench-secret --max-connections 64 >"$WORK/serve-$port.log" 2>&1 &
   local pid=$!
   PIDS+=("$pid")
-  for _ in $(seq 100); do
-    grep -q "listening" "$WORK/serve-$port.log" && break
-    sleep 0.1
-  done
+  until_listening "$WORK/serve-$port.log"
   SERVER_PID=$pid
   SERVER_URL="http://127.0.0.1:$port"
 }

@@ -45,10 +45,7 @@ run() { # $1 = label, $2 = binary, $3 = database URL, then extra `idemkey bench`
     >"$WORK/gateway-$port.log" 2>&1 &
   local pid=$!
   PIDS+=("$pid")
-  for _ in $(seq 100); do
-    grep -q "listening" "$WORK/gateway-$port.log" && break
-    sleep 0.1
-  done
+  until_listening "$WORK/gateway-$port.log"
   for mode in fresh replay; do
     "$BIN" bench --url "http://127.0.0.1:$port" --token t --mode "$mode" --path /payments \
       --baseline-path /payments --effects-path "" --requests "$REQUESTS" \

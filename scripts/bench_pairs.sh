@@ -36,10 +36,7 @@ run() { # $1 = label, $2 = binary
     >"$WORK/serve-$1.log" 2>&1 &
   pid=$!
   PIDS+=("$pid")
-  for _ in $(seq 100); do
-    grep -qs "listening" "$WORK/serve-$1.log" && break
-    sleep 0.1
-  done
+  until_listening "$WORK/serve-$1.log"
   before=$(switches "$pid")
   "$AFTER" bench --url "http://127.0.0.1:$port" --token tok_bench --mode fresh \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --duration 120s \

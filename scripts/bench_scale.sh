@@ -55,6 +55,8 @@ trap cleanup EXIT
 
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh
+# shellcheck source=lib/work.sh
+. scripts/lib/work.sh
 # shellcheck source=lib/bulk.sh
 . scripts/lib/bulk.sh
 
@@ -67,10 +69,7 @@ serve() { # $1 = database URL, then extra `serve` arguments; waits until it list
   "$BIN" serve --listen "127.0.0.1:$port" --database-url "$url" --api-key bench=tok_bench \
     --key-secret bench-secret --max-connections 64 "$@" >"$SERVER_LOG" 2>&1 &
   SERVER_PID=$!
-  for _ in $(seq 600); do
-    grep -q "listening" "$SERVER_LOG" && break
-    sleep 0.1
-  done
+  until_listening "$SERVER_LOG" 600
   SERVER_URL="http://127.0.0.1:$port"
 }
 

@@ -29,7 +29,7 @@ PORT=$(free_port)
   --api-key a=tok_a --api-key b=tok_b --key-secret storm-secret --simulate-latency "$LATENCY" \
   >"$WORK/serve.log" 2>&1 &
 PIDS+=($!)
-for _ in $(seq 100); do grep -q "listening" "$WORK/serve.log" && break; sleep 0.1; done
+until_listening "$WORK/serve.log"
 URL="http://127.0.0.1:$PORT/v1/payments"
 
 pay() { # $1 token, $2 key, $3 customer; prints "status seconds"

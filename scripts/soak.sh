@@ -37,6 +37,8 @@ trap cleanup EXIT
 
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh
+# shellcheck source=lib/work.sh
+. scripts/lib/work.sh
 
 case $STORE in
   sqlite) URL=sqlite:$WORK/soak.db ;;
@@ -47,10 +49,7 @@ PORT=$(free_port)
 "$BIN" serve --listen "127.0.0.1:$PORT" --database-url "$URL" --api-key bench=tok_bench \
   --key-secret bench-secret --max-connections 64 >"$WORK/serve.log" 2>&1 &
 SERVER_PID=$!
-for _ in $(seq 100); do
-  grep -q "listening" "$WORK/serve.log" && break
-  sleep 0.1
-done
+until_listening "$WORK/serve.log"
 
 CSV=$OUT/soak-$STORE.csv
 START=$(date +%s)

@@ -3,6 +3,9 @@
 #   work_dir NAME     a fresh $WORK (/tmp/idemkey-NAME.XXXXXX, readable by the postgres user)
 #                     and an empty PIDS; on exit, every PID in PIDS is killed, PostgreSQL is
 #                     stopped and $WORK is removed
+#   until_listening LOG [TENTHS]
+#                     waits until a server started with its output in LOG says it is
+#                     "listening" (up to TENTHS tenths of a second, default 100)
 #   run_header CMD NOTE
 #                     prints the date, the machine, the commit and CMD, and how long the run
 #                     took ($took seconds, then NOTE), for a report's first lines
@@ -12,6 +15,13 @@ work_dir() {
   chmod 755 "$WORK"
   PIDS=()
   trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; stop_pg; rm -rf "$WORK"' EXIT
+}
+
+until_listening() {
+  for _ in $(seq "${2:-100}"); do
+    grep -qs "listening" "$1" && return 0
+    sleep 0.1
+  done
 }
 
 run_header() {
