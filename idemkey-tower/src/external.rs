@@ -101,7 +101,9 @@ impl<S: Store> std::fmt::Debug for External<S> {
 impl<S: Store> External<S> {
     /// Marks the point of no return. Fails when the lease was lost to a newer owner (409:
     /// that owner does the work) or the store is unreachable (503); in both cases do not
-    /// call out.
+    /// call out. On a route whose reservation marked it already
+    /// ([`point_of_no_return_at_reservation`](crate::IdempotencyLayer::point_of_no_return_at_reservation))
+    /// it writes nothing, and fails (409) only once the reservation's lease has lapsed.
     pub async fn point_of_no_return(&self) -> Result<(), IdempotencyRejection> {
         match self.lease.point_of_no_return().await {
             Ok(()) => {
