@@ -144,7 +144,7 @@ async fn killed_before_the_request_left_executes_once_after_the_lease() {
     assert!(matches!(again.outcome, Ok((201, true, 1, _))), "{again:?}");
     assert_eq!(upstream.effects(op.key()), 1);
     load::row(&load::Row {
-        scenario: "gateway kill -9 before the request left",
+        scenario: "gateway kill -9 before the request left (`--point-of-no-return separate`)",
         ops: 1,
         failed: 0,
         duplicates: (upstream.effects(op.key()) as usize).saturating_sub(1),
