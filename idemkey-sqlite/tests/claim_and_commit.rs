@@ -6,6 +6,8 @@
 //! any point leaves nothing half done and the writer usable. Coordinated with barriers and
 //! channels, never with sleeps.
 
+mod common;
+
 use std::future::Future;
 use std::pin::pin;
 use std::str::FromStr;
@@ -18,6 +20,8 @@ use idemkey_core::{
     CommitError, Record, RecordId, RecordState, Store, StoreError, StoredResponse, Timestamp,
 };
 use idemkey_sqlite::SqliteStore;
+
+use common::{claim, write_effect};
 use idemkey_testkit::conformance::{claim_at, record_id};
 use sqlx::Connection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions};
@@ -119,24 +123,12 @@ fn claim_in(tenant: &str, route: &str, key: &str) -> Claim {
     claim_at(&record_id(tenant, route, key), 1, Timestamp::now())
 }
 
-fn claim(key: &str) -> Claim {
-    claim_in("t1", "/v1/payments", key)
-}
-
 fn response(body: &str) -> StoredResponse {
     StoredResponse {
         status: 201,
         headers: vec![],
         body: body.as_bytes().to_vec(),
     }
-}
-
-async fn write_effect(conn: &mut SqliteConnection, label: &str) {
-    sqlx::query("INSERT INTO effects (label) VALUES (?1)")
-        .bind(label)
-        .execute(conn)
-        .await
-        .expect("effect");
 }
 
 /// Claims a fresh key with [`Store::begin_claim`]: the transaction and the owner's token.

@@ -3,14 +3,16 @@
 //! without a commit (dropped, panicked, cancelled) is rolled back and lets the next one in.
 //! Coordinated with barriers and `Notify`, never with sleeps.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemkey_core::protocol::{self, Claim, ClaimOutcome};
-use idemkey_core::{RecordId, Store, StoreError, StoredResponse, Timestamp};
+use idemkey_core::protocol::{self, ClaimOutcome};
+use idemkey_core::{RecordId, Store, StoreError, StoredResponse};
 use idemkey_sqlite::SqliteStore;
-use idemkey_testkit::conformance::{claim_at, record_id};
-use sqlx::sqlite::SqliteConnection;
+
+use common::{claim, write_effect};
 use tokio::sync::{Barrier, Notify};
 
 async fn store_with_busy_timeout(busy_timeout: Duration) -> (tempfile::TempDir, SqliteStore) {
@@ -37,18 +39,6 @@ async fn without_busy_handler(store: &SqliteStore) {
         .await
         .expect("pragma");
     store.commit(tx).await.expect("commit");
-}
-
-fn claim(key: &str) -> Claim {
-    claim_at(&record_id("t1", "/v1/payments", key), 1, Timestamp::now())
-}
-
-async fn write_effect(conn: &mut SqliteConnection, label: &str) {
-    sqlx::query("INSERT INTO effects (label) VALUES (?1)")
-        .bind(label)
-        .execute(conn)
-        .await
-        .expect("effect");
 }
 
 async fn effects(store: &SqliteStore) -> i64 {
