@@ -39,24 +39,14 @@ OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cargo build --release -q -p idemkey-server
-WORK=$(mktemp -d /tmp/idemkey-scale.XXXXXX)
-chmod 755 "$WORK"
-# A copy: a build sharing the target directory cannot replace it mid-run.
-cp "${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey" "$WORK/idemkey"
-BIN=$WORK/idemkey
-"$BIN" bench --help | grep -q -- --run-id || { echo "$BIN is not this build (no --run-id)" >&2; exit 1; }
-SERVER_PID=""
-cleanup() {
-  [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null || true
-  stop_pg
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
+work_dir scale
+work_copy_of "${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey"
+"$BIN" bench --help | grep -q -- --run-id || { echo "$BIN is not this build (no --run-id)" >&2; exit 1; }
+
 # shellcheck source=lib/bulk.sh
 . scripts/lib/bulk.sh
 
@@ -69,6 +59,7 @@ serve() { # $1 = database URL, then extra `serve` arguments; waits until it list
   "$BIN" serve --listen "127.0.0.1:$port" --database-url "$url" --api-key bench=tok_bench \
     --key-secret bench-secret --max-connections 64 "$@" >"$SERVER_LOG" 2>&1 &
   SERVER_PID=$!
+  PIDS+=("$SERVER_PID")
   until_listening "$SERVER_LOG" 600
   SERVER_URL="http://127.0.0.1:$port"
 }

@@ -21,24 +21,13 @@ WARMUP=${WARMUP:-$((DURATION * 3 / 10))}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
 cargo build --release -q -p idemkey-server
-WORK=$(mktemp -d /tmp/idemkey-soak.XXXXXX)
-chmod 755 "$WORK"
-# A copy: a build sharing the target directory cannot replace it mid-run.
-cp "${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey" "$WORK/idemkey"
-BIN=$WORK/idemkey
-SERVER_PID="" SAMPLER_PID=""
-cleanup() {
-  [ -n "$SAMPLER_PID" ] && kill "$SAMPLER_PID" 2>/dev/null || true
-  [ -n "$SERVER_PID" ] && kill "$SERVER_PID" 2>/dev/null || true
-  stop_pg
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
+work_dir soak
+work_copy_of "${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey"
+
 
 case $STORE in
   sqlite) URL=sqlite:$WORK/soak.db ;;
@@ -49,6 +38,7 @@ PORT=$(free_port)
 "$BIN" serve --listen "127.0.0.1:$PORT" --database-url "$URL" --api-key bench=tok_bench \
   --key-secret bench-secret --max-connections 64 >"$WORK/serve.log" 2>&1 &
 SERVER_PID=$!
+PIDS+=("$SERVER_PID")
 until_listening "$WORK/serve.log"
 
 CSV=$OUT/soak-$STORE.csv
@@ -63,6 +53,7 @@ echo "seconds,vmrss_kib" >"$CSV"
   done
 ) &
 SAMPLER_PID=$!
+PIDS+=("$SAMPLER_PID")
 
 runs=0 requests=0 statuses=""
 while :; do
@@ -89,10 +80,8 @@ print(n, ",".join(f"{k}:{v}" for k, v in sorted(s.items())), f"{rps:.0f}", f"{p9
   echo "[$(date +%T)] run $runs: $n requests ($st), mixed $rps req/s, p99 $p99 ms, duplicates $dup, VmRSS $(tail -1 "$CSV" | cut -d, -f2) KiB" >&2
 done
 wait "$SAMPLER_PID" || true
-SAMPLER_PID=""
 kill "$SERVER_PID"
 wait "$SERVER_PID" || true
-SERVER_PID=""
 
 python3 - "$CSV" "$WARMUP" "$DURATION" "$STORE" "$runs" "$requests" <<'PY'
 import csv, statistics, sys

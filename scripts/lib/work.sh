@@ -3,6 +3,9 @@
 #   work_dir NAME     a fresh $WORK (/tmp/idemkey-NAME.XXXXXX, readable by the postgres user)
 #                     and an empty PIDS; on exit, every PID in PIDS is killed, PostgreSQL is
 #                     stopped and $WORK is removed
+#   work_copy_of BINARY
+#                     copies BINARY into $WORK and sets BIN to the copy, so a build sharing
+#                     the target directory cannot replace it mid-run
 #   until_listening LOG [TENTHS]
 #                     waits until a server started with its output in LOG says it is
 #                     "listening" (up to TENTHS tenths of a second, default 100)
@@ -15,6 +18,11 @@ work_dir() {
   chmod 755 "$WORK"
   PIDS=()
   trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; stop_pg; rm -rf "$WORK"' EXIT
+}
+
+work_copy_of() {
+  cp "$1" "$WORK/idemkey"
+  BIN=$WORK/idemkey
 }
 
 until_listening() {
