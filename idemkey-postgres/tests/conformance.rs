@@ -10,6 +10,7 @@ use idemkey_core::{
 };
 use idemkey_postgres::PgStore;
 use idemkey_testkit::Harness;
+use idemkey_testkit::conformance::begin_owned;
 use sqlx::Connection;
 use sqlx::postgres::PgConnection;
 
@@ -213,12 +214,7 @@ async fn begin_survives_terminated_idle_connections() {
 
     // The layer's path: `BEGIN` and the claim in one message.
     let claim = test_claim(b"after-terminate");
-    let (tx, outcome) = protocol::begin_claim(store, &claim, None)
-        .await
-        .expect("begin and claim on a live connection");
-    let (ClaimOutcome::Owned { token, .. }, Some(mut tx)) = (outcome.clone(), tx) else {
-        panic!("{outcome:?}")
-    };
+    let (mut tx, token) = begin_owned(store, &claim).await;
     h.write_effect(&mut tx, "after-terminate").await;
     store
         .complete_and_commit(tx, &claim.id, token, &created(), claim.now)
@@ -252,21 +248,12 @@ async fn pipelined_transactions_leave_no_connection_in_a_transaction() {
         }
         for i in 0..4 {
             let claim = test_claim(format!("dropped-{round}-{i}").as_bytes());
-            let (tx, outcome) = protocol::begin_claim(&store, &claim, None)
-                .await
-                .expect("claim");
-            assert!(matches!(outcome, ClaimOutcome::Owned { .. }), "{outcome:?}");
-            let mut tx = tx.expect("owner's transaction");
+            let (mut tx, _) = begin_owned(&store, &claim).await;
             h.write_effect(&mut tx, "dropped").await;
             drop(tx);
         }
         let claim = test_claim(format!("fenced-{round}").as_bytes());
-        let (tx, outcome) = protocol::begin_claim(&store, &claim, None)
-            .await
-            .expect("claim");
-        let (ClaimOutcome::Owned { token, .. }, Some(mut tx)) = (outcome.clone(), tx) else {
-            panic!("{outcome:?}")
-        };
+        let (mut tx, token) = begin_owned(&store, &claim).await;
         h.write_effect(&mut tx, "fenced").await;
         let refused = store
             .complete_and_commit(tx, &claim.id, token + 1, &created(), claim.now)
@@ -310,12 +297,7 @@ async fn a_transaction_begun_on_the_claims_is_a_savepoint() {
     let h = PgHarness::new().await;
     let store = &h.store;
     let claim = test_claim(b"savepoint");
-    let (tx, outcome) = protocol::begin_claim(store, &claim, None)
-        .await
-        .expect("claim");
-    let (ClaimOutcome::Owned { token, .. }, Some(mut tx)) = (outcome.clone(), tx) else {
-        panic!("{outcome:?}")
-    };
+    let (mut tx, token) = begin_owned(store, &claim).await;
     {
         let mut inner = (*tx).begin().await.expect("savepoint");
         h.write_effect(&mut inner, "inner").await;

@@ -22,7 +22,7 @@ use idemkey_core::{
 use idemkey_sqlite::SqliteStore;
 
 use common::{claim, write_effect};
-use idemkey_testkit::conformance::{claim_at, record_id};
+use idemkey_testkit::conformance::{begin_owned, claim_at, record_id};
 use sqlx::Connection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions};
 use tokio::sync::Barrier;
@@ -132,16 +132,6 @@ fn response(body: &str) -> StoredResponse {
 }
 
 /// Claims a fresh key with [`Store::begin_claim`]: the transaction and the owner's token.
-async fn owned(store: &SqliteStore, claim: &Claim) -> (idemkey_sqlite::SqliteTransaction, i64) {
-    let (tx, outcome) = protocol::begin_claim(store, claim, None)
-        .await
-        .expect("claim");
-    match (outcome, tx) {
-        (ClaimOutcome::Owned { token, .. }, Some(tx)) => (tx, token),
-        (outcome, _) => panic!("a fresh key is owned: {outcome:?}"),
-    }
-}
-
 /// sqlx counts the claim's transaction, so a handler's own `begin()` on it is a savepoint:
 /// rolling the savepoint back keeps the claim and the rest of the effect. On both kinds of
 /// store.
@@ -150,7 +140,7 @@ async fn a_transaction_begun_on_the_claims_is_a_savepoint() {
     for db in [own(SqliteStore::DEFAULT_BUSY_TIMEOUT).await, pooled().await] {
         let store = &db.store;
         let claim = claim("k-savepoint");
-        let (mut tx, token) = owned(store, &claim).await;
+        let (mut tx, token) = begin_owned(store, &claim).await;
         {
             let mut inner = (*tx).begin().await.expect("savepoint");
             write_effect(&mut inner, "inner").await;
@@ -188,7 +178,7 @@ async fn dropping_the_claims_transaction_rolls_it_back() {
     let store = &db.store;
 
     let fresh = claim("k-dropped");
-    let (mut tx, _) = owned(store, &fresh).await;
+    let (mut tx, _) = begin_owned(store, &fresh).await;
     write_effect(&mut tx, "dropped").await;
     drop(tx);
     assert_eq!(db.record(&fresh.id).await, None);
@@ -231,7 +221,7 @@ async fn a_fenced_completion_commits_nothing() {
         let store = &db.store;
         for round in 0..2 {
             let fenced = claim(&format!("k-fenced-{round}"));
-            let (mut tx, token) = owned(store, &fenced).await;
+            let (mut tx, token) = begin_owned(store, &fenced).await;
             write_effect(&mut tx, "fenced").await;
             let refused = store
                 .complete_and_commit(tx, &fenced.id, token + 1, &response("{}"), fenced.now)
@@ -241,7 +231,7 @@ async fn a_fenced_completion_commits_nothing() {
 
             // Another owner's completion: the row no longer carries the token.
             let stolen = claim(&format!("k-stolen-{round}"));
-            let (mut tx, token) = owned(store, &stolen).await;
+            let (mut tx, token) = begin_owned(store, &stolen).await;
             write_effect(&mut tx, "stolen").await;
             sqlx::query("UPDATE idemkey_records SET token = token + 5")
                 .execute(&mut *tx)
@@ -306,7 +296,7 @@ async fn a_busy_writer_answers_busy() {
         .await
         .expect("release the lock");
 
-    let (queued, _) = owned(store, &claim("k-queued")).await;
+    let (queued, _) = begin_owned(store, &claim("k-queued")).await;
     let waited = protocol::begin_claim(store, &claim("k-busy"), None).await;
     assert!(
         matches!(waited, Err(protocol::Error::Store(StoreError::Busy(_)))),
@@ -390,7 +380,7 @@ async fn claims_and_completions_cut_short_leave_nothing_half_done() {
             // The completion cut short.
             let key = format!("k-complete-{polls:02}");
             let completing = claim(&key);
-            let (mut tx, token) = owned(store, &completing).await;
+            let (mut tx, token) = begin_owned(store, &completing).await;
             write_effect(&mut tx, &key).await;
             let done = cut_short(
                 store.complete_and_commit(

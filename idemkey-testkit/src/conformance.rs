@@ -123,18 +123,25 @@ pub async fn run_once_on<H: Harness>(
     outcome
 }
 
+/// Begins `claim` as the layer does ([`protocol::begin_claim`]) on a key that must be
+/// fresh: the owner's transaction and token.
+pub async fn begin_owned<S: Store>(store: &S, claim: &Claim) -> (S::Transaction, i64) {
+    let (tx, outcome) = protocol::begin_claim(store, claim, None)
+        .await
+        .expect("claim");
+    match (outcome, tx) {
+        (ClaimOutcome::Owned { token, .. }, Some(tx)) => (tx, token),
+        (outcome, _) => panic!("a fresh key is owned: {outcome:?}"),
+    }
+}
+
 /// A completion with a stale token, sent with the commit, commits nothing: neither the
 /// effect nor the claim; the key is free again.
 pub async fn fenced_completion_commits_nothing<H: Harness>(h: H) {
     let store = h.store();
     let id = record_id("t1", "/v1/payments", "k-fenced");
     let claim = claim_at(&id, 1, Timestamp::now());
-    let (tx, outcome) = protocol::begin_claim(store, &claim, None)
-        .await
-        .expect("claim");
-    let (ClaimOutcome::Owned { token, .. }, Some(mut tx)) = (outcome.clone(), tx) else {
-        panic!("{outcome:?}")
-    };
+    let (mut tx, token) = begin_owned(store, &claim).await;
     h.write_effect(&mut tx, "k-fenced").await;
     let refused = store
         .complete_and_commit(tx, &id, token + 1, &response("{}"), claim.now)
