@@ -121,6 +121,20 @@ impl<S: Store> External<S> {
         }
     }
 
+    /// Takes the [`point_of_no_return`](Self::point_of_no_return) back: the call out did
+    /// not leave after all, so what the handler answers frees the key, as before the point of
+    /// no return, and a retry runs the handler again. For a call the handler *knows* was not
+    /// sent, such as a request a kept-alive connection handed back unwritten because it had
+    /// closed (hyper's `try_send_request`); a connection that broke after writing is
+    /// [`outcome_unknown`](Self::outcome_unknown). Said of a call that may have left, this
+    /// lets a retry run the effect twice. The handler may mark the point of no return again
+    /// before it calls out anew.
+    pub fn nothing_sent(&self) {
+        self.flags
+            .past_point_of_no_return
+            .store(false, Ordering::SeqCst);
+    }
+
     /// Declares that the call out may or may not have taken effect (a time-out, a reset
     /// after sending): the record becomes indeterminate whatever the handler answers.
     pub fn outcome_unknown(&self) {

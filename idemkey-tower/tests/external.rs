@@ -49,9 +49,11 @@ impl Bank {
     }
 }
 
-/// Steered by the body: `{"before": "fail"|"ok", "after": "ok"|"unknown"|"panic"|STATUS,
-/// "hold": true}`. "before" happens before the point of no return; the bank counts the call
-/// (its effect), then, when held, waits for [`Bank::release`]; "after" is what comes back.
+/// Steered by the body: `{"before": "fail"|"ok", "sent": false, "after":
+/// "ok"|"unknown"|"panic"|STATUS, "hold": true}`. "before" happens before the point of no
+/// return, "sent": false just after it (the call handed back unwritten); the bank counts
+/// the call (its effect), then, when held, waits for [`Bank::release`]; "after" is what comes
+/// back.
 async fn transfer(State(bank): State<Bank>, op: External<SqliteStore>, body: Bytes) -> Response {
     let steer: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     if steer["before"] == "fail" {
@@ -59,6 +61,11 @@ async fn transfer(State(bank): State<Bank>, op: External<SqliteStore>, body: Byt
     }
     if let Err(rejection) = op.point_of_no_return().await {
         return rejection.into_response();
+    }
+    if steer["sent"] == false {
+        // The call was handed back unwritten (a kept-alive connection found closed).
+        op.nothing_sent();
+        return (StatusCode::SERVICE_UNAVAILABLE, "handed back unsent").into_response();
     }
     let n = bank.calls.fetch_add(1, Ordering::SeqCst) + 1;
     if steer["hold"] == true {
@@ -211,6 +218,20 @@ async fn failure_before_the_point_of_no_return_frees_the_key() {
     let retry = send(&app, "t-3", r#"{"before":"ok"}"#).await;
     assert_eq!((retry.0, retry.1), (StatusCode::CREATED, false));
     assert_eq!(bank.calls.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_call_handed_back_unsent_after_the_point_of_no_return_frees_the_key() {
+    let (_dir, store, bank, app, _metrics) = setup(LEASE, InFlightPolicy::default()).await;
+    let handed_back = send_expiry(&app, "t-3c", r#"{"sent":false}"#).await;
+    assert_eq!(handed_back, (StatusCode::SERVICE_UNAVAILABLE, None));
+    assert!(
+        states(&store).await.is_empty(),
+        "the key was released, not left indeterminate"
+    );
+    let retry = send(&app, "t-3c", "{}").await;
+    assert_eq!((retry.0, retry.1), (StatusCode::CREATED, false));
+    assert_eq!(bank.calls.load(Ordering::SeqCst), 1, "the retry ran once");
 }
 
 #[tokio::test]
