@@ -422,6 +422,10 @@ pub struct GatewayArgs {
     /// Bound of the TCP connect to the upstream.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub connect_timeout: Duration,
+    /// How long a connection to the upstream is kept idle for the next keyed request. Keep
+    /// it below the upstream's keep-alive time-out; 0s opens one connection per request.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    pub upstream_idle_timeout: Duration,
     /// Bound of the upstream's complete answer.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub upstream_timeout: Duration,

@@ -245,6 +245,7 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
         lease: args.lease,
         mark_at_reservation: args.point_of_no_return == PointOfNoReturn::WithReservation,
         connect_timeout: args.connect_timeout,
+        upstream_idle_timeout: args.upstream_idle_timeout,
         upstream_timeout: args.upstream_timeout,
         max_request_body: args.max_request_body,
         max_stored_response: args.max_stored_response,

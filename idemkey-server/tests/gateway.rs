@@ -12,6 +12,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -1246,4 +1247,127 @@ async fn closed_and_reset_connections_are_unknown() {
         }
         assert_eq!(seen.load(Ordering::SeqCst), 1, "{key}: sent once");
     }
+}
+
+/// A raw TCP upstream that answers every request 201 with its number, on connections it
+/// keeps open for more (HTTP/1.1 keep-alive). With `closing`, it closes a connection once it
+/// has answered on it and is told to (as an upstream's keep-alive time-out ends an idle
+/// connection, without `Connection: close`), and reports each close. Returns its URL and the
+/// connections and requests it took.
+fn counting_upstream(
+    closing: Option<(Receiver<()>, Sender<()>)>,
+) -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let connections = Arc::new(AtomicUsize::new(0));
+    let requests = Arc::new(AtomicUsize::new(0));
+    let (accepted, answered) = (connections.clone(), requests.clone());
+    let closing = closing.map(|c| Arc::new(Mutex::new(c)));
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { return };
+            accepted.fetch_add(1, Ordering::SeqCst);
+            let (answered, closing) = (answered.clone(), closing.clone());
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+                let mut stream = stream;
+                loop {
+                    let mut length = 0;
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        match reader.read_line(&mut line) {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) if line == "\r\n" => break,
+                            Ok(_) => {
+                                let lower = line.to_ascii_lowercase();
+                                if let Some(v) = lower.strip_prefix("content-length:") {
+                                    length = v.trim().parse().expect("content-length");
+                                }
+                            }
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let n = answered.fetch_add(1, Ordering::SeqCst) + 1;
+                    let answer = format!("{{\"n\":{n}}}");
+                    let head = format!(
+                        "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\n\r\n",
+                        answer.len()
+                    );
+                    if stream.write_all((head + &answer).as_bytes()).is_err() {
+                        return;
+                    }
+                    if let Some(closing) = &closing {
+                        let closing = closing.lock().unwrap();
+                        if closing.0.recv().is_ok() {
+                            drop(stream.shutdown(std::net::Shutdown::Both));
+                            drop((stream, reader));
+                            let _ = closing.1.send(());
+                        }
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, connections, requests)
+}
+
+/// Keyed requests one after another travel on one kept upstream connection; with
+/// `--upstream-idle-timeout 0s`, each on a connection of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_upstream_connections_carry_the_next_requests() {
+    let db = Db::sqlite();
+    for (extra, expected) in [(&[][..], 1), (&["--upstream-idle-timeout", "0s"][..], 5)] {
+        let (url, connections, requests) = counting_upstream(None);
+        let gw = db.gateway(&url, extra).await;
+        let client = client_of(&gw);
+        for i in 1..=5 {
+            let answer = client.transfer(&format!("kept-{expected}-{i}"), i).await;
+            assert_eq!(answer.status, 201, "{}", answer.text());
+            assert_eq!(answer.json()["n"], i, "{extra:?}");
+        }
+        assert_eq!(requests.load(Ordering::SeqCst), 5, "{extra:?}");
+        assert_eq!(connections.load(Ordering::SeqCst), expected, "{extra:?}");
+    }
+}
+
+/// An upstream that closes a kept connection while it sits idle, after the gateway has
+/// kept it (as one whose keep-alive time-out ran out would): the gateway does not turn the
+/// next request into an unknown outcome, nor lose it; each request is sent once, on a new
+/// connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_connection_the_upstream_closed_is_not_used_again() {
+    let db = Db::sqlite();
+    let (close, told) = std::sync::mpsc::channel();
+    let (closed, until_closed) = std::sync::mpsc::channel();
+    let (url, connections, requests) = counting_upstream(Some((told, closed)));
+    let gw = db.gateway(&url, &[]).await;
+    let client = client_of(&gw);
+    let until_closed = Arc::new(Mutex::new(until_closed));
+    for i in 1..=5 {
+        let answer = client.transfer(&format!("closed-{i}"), i).await;
+        assert_eq!(answer.status, 201, "{}", answer.text());
+        assert_eq!(answer.json()["n"], i);
+        // The gateway has the answer, so it has kept the connection: now the upstream
+        // closes it.
+        close.send(()).expect("the upstream is alive");
+        let until_closed = until_closed.clone();
+        tokio::task::spawn_blocking(move || {
+            until_closed
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(10))
+                .expect("the upstream closed the connection")
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(requests.load(Ordering::SeqCst), 5, "each sent once");
+    assert_eq!(connections.load(Ordering::SeqCst), 5);
 }

@@ -34,6 +34,7 @@ use crate::{ApiKeys, AppDb};
 mod proxy;
 mod reconciler;
 mod seal;
+mod upstream;
 
 pub(crate) use self::seal::KeySealer;
 
@@ -165,6 +166,9 @@ pub struct GatewayOptions {
     pub mark_at_reservation: bool,
     /// Bound of the TCP connect to the upstream.
     pub connect_timeout: Duration,
+    /// How long a connection to the upstream is kept idle for the next keyed request; below
+    /// the upstream's keep-alive time-out. Zero: one connection per request.
+    pub upstream_idle_timeout: Duration,
     /// Bound of the upstream's answer, body included.
     pub upstream_timeout: Duration,
     /// Largest keyed request body (413 past it).
@@ -202,6 +206,8 @@ struct Inner<S> {
     status: Router,
     metrics: Metrics,
     options: Arc<GatewayOptions>,
+    /// The options again, with the connections kept to the upstream.
+    forwarder: Arc<proxy::Forwarder>,
     /// Per route rule (same order as `options.routes`): the layer's external mode around
     /// the forwarding handler.
     keyed: Vec<Router>,
@@ -292,6 +298,7 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
     let previous_sealer = secrets.previous().map(KeySealer::new);
     let base = secrets.layer(db.clone());
     let shared = Arc::new(options.clone());
+    let forwarder = Arc::new(proxy::Forwarder::new(shared.clone()));
     let keyed = options
         .routes
         .iter()
@@ -311,7 +318,7 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
                 .max_stored_response(options.max_stored_response)
                 .metrics(metrics.clone())
                 .seal_keys(move |key, id| sealer.seal(key, &id.key_hash));
-            proxy::keyed_route(layer, shared.clone())
+            proxy::keyed_route(layer, forwarder.clone())
         })
         .collect();
     let gw = Gateway(Arc::new(Inner {
@@ -321,6 +328,7 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
         status: base.status_router(),
         metrics: metrics.clone(),
         options: shared,
+        forwarder,
         keyed,
     }));
     let listener = tokio::net::TcpListener::bind(options.listen)

@@ -1,10 +1,12 @@
 //! Forwarding. A request on a keyed route goes through the layer's external mode
-//! ([`IdempotencyLayer::external`]), whose handler here is [`forward_keyed`]: connect, mark
-//! the point of no return, send, and hand back the upstream's answer (or say that none came).
-//! What becomes of the record is the layer's one decision ([`idemkey_core::after_effect`]),
-//! not the gateway's. Every other request is streamed through.
+//! ([`IdempotencyLayer::external`]), whose handler here is [`forward_keyed`]: take a
+//! connection (kept or new, `upstream.rs`), mark the point of no return, send, and hand back
+//! the upstream's answer (or say that none came, or that nothing was sent after all). What
+//! becomes of the record is the layer's one decision ([`idemkey_core::after_effect`]), not
+//! the gateway's. Every other request is streamed through, on a connection of its own.
 
 use std::io;
+use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -13,24 +15,45 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, header};
 use http_body_util::{BodyExt, Limited};
-use hyper_util::rt::TokioIo;
+use hyper::client::conn::http1::SendRequest;
 use idemkey_core::HEADER_NAME;
 use idemkey_fault_proxy::strip_hop_by_hop;
 use idemkey_tower::{
     External, IdempotencyLayer, IdempotencyRejection, KeyRequirement, RETRY_AFTER, is_safe,
 };
-use tokio::net::TcpStream;
 use tower::{Layer, ServiceExt};
 
+use super::upstream::Connections;
 use super::{Gateway, GatewayOptions, RouteRule};
 use crate::AppDb;
+
+/// What forwarding needs: the options, and the connections kept to the upstream.
+#[derive(Debug)]
+pub(super) struct Forwarder {
+    pub(super) options: Arc<GatewayOptions>,
+    connections: Connections,
+}
+
+impl Forwarder {
+    pub(super) fn new(options: Arc<GatewayOptions>) -> Self {
+        let connections = Connections::new(
+            options.upstream.authority.clone(),
+            options.connect_timeout,
+            options.upstream_idle_timeout,
+        );
+        Self {
+            options,
+            connections,
+        }
+    }
+}
 
 /// The service of one keyed route: the layer's external mode around [`forward_keyed`].
 pub(super) fn keyed_route<S: AppDb>(
     layer: IdempotencyLayer<S>,
-    options: std::sync::Arc<GatewayOptions>,
+    forwarder: Arc<Forwarder>,
 ) -> axum::Router {
-    let handler = axum::handler::Handler::with_state(forward_keyed::<S>, options);
+    let handler = axum::handler::Handler::with_state(forward_keyed::<S>, forwarder);
     axum::Router::new().fallback_service(layer.layer(handler))
 }
 
@@ -45,11 +68,11 @@ pub(super) async fn handle<S: AppDb>(State(gw): State<Gateway<S>>, req: Request)
             .position(|r| r.matches(req.method(), req.uri().path()))
     };
     let Some(i) = rule else {
-        return forward_plain(&gw.options, req).await;
+        return forward_plain(&gw.forwarder, req).await;
     };
     let RouteRule { requirement, .. } = &gw.options.routes[i];
     if *requirement == KeyRequirement::Optional && !req.headers().contains_key(HEADER_NAME) {
-        return forward_plain(&gw.options, req).await;
+        return forward_plain(&gw.forwarder, req).await;
     }
     match gw.keyed[i].clone().oneshot(req).await {
         Ok(response) => response,
@@ -58,44 +81,60 @@ pub(super) async fn handle<S: AppDb>(State(gw): State<Gateway<S>>, req: Request)
 }
 
 /// The layer's handler on keyed routes: the request is reserved and the lease renewed; this
-/// forwards it, marking the point of no return once a connection to the upstream is open,
-/// just before the request is written.
+/// forwards it, marking the point of no return once a connection to the upstream is open and
+/// ready, just before the request is written.
 async fn forward_keyed<S: AppDb>(
-    State(options): State<std::sync::Arc<GatewayOptions>>,
+    State(forwarder): State<Arc<Forwarder>>,
     op: External<S>,
     req: Request,
 ) -> Response {
+    let options = &forwarder.options;
     if !options.simulate_delay_before_forward.is_zero() {
         tokio::time::sleep(options.simulate_delay_before_forward).await;
     }
-    // Nothing has been sent yet: whatever happens here frees the key.
-    let stream = match connect(&options).await {
-        Ok(stream) => stream,
-        Err(unreachable) => return unreachable,
-    };
-    if let Err(rejection) = op.point_of_no_return().await {
-        tracing::warn!(error = %rejection, "cannot mark the point of no return; nothing was sent");
-        return rejection.into_response();
-    }
-    // The point of no return: from here the effect may happen. The layer read the body.
+    // The layer read the body whole.
     let (parts, body) = req.into_parts();
     let bytes = body
         .collect()
         .await
         .map(|b| b.to_bytes())
         .unwrap_or_default();
-    let mut req = upstream_request(&options, &parts, Body::from(bytes.clone()));
-    req.headers_mut()
-        .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-    match exchange(&options, stream, req).await {
-        Upstreamed::Answer(head, body) => downstream(head, Body::from(body)),
-        Upstreamed::Unknown(reason) => {
-            tracing::warn!(%reason, "sent upstream, no complete answer: the outcome is unknown");
-            op.outcome_unknown();
-            IdempotencyRejection::UpstreamOutcomeUnknown {
-                status_url: op.status_url().to_owned(),
+    let mut reuse = true;
+    loop {
+        // Nothing has been sent yet: whatever happens here frees the key.
+        let connection = match forwarder.connections.get(reuse).await {
+            Ok(connection) => connection,
+            Err(error) => return unreachable(&error),
+        };
+        if let Err(rejection) = op.point_of_no_return().await {
+            tracing::warn!(error = %rejection, "cannot mark the point of no return; nothing was sent");
+            return rejection.into_response();
+        }
+        // The point of no return: from here the effect may happen.
+        let mut req = upstream_request(options, &parts, Body::from(bytes.clone()));
+        req.headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        match exchange(&forwarder, connection.sender, req).await {
+            Upstreamed::Answer(head, body) => return downstream(head, Body::from(body)),
+            Upstreamed::NotSent(error) => {
+                // The connection had closed; hyper handed the request back unwritten.
+                op.nothing_sent();
+                if connection.reused {
+                    // A kept connection the upstream closed while it sat idle: once more,
+                    // on a new one.
+                    reuse = false;
+                    continue;
+                }
+                return unreachable(&io::Error::other(error));
             }
-            .into_response()
+            Upstreamed::Unknown(reason) => {
+                tracing::warn!(%reason, "sent upstream, no complete answer: the outcome is unknown");
+                op.outcome_unknown();
+                return IdempotencyRejection::UpstreamOutcomeUnknown {
+                    status_url: op.status_url().to_owned(),
+                }
+                .into_response();
+            }
         }
     }
 }
@@ -122,35 +161,13 @@ fn upstream_request(options: &GatewayOptions, parts: &Parts, body: Body) -> Requ
     req
 }
 
-/// Opens a connection to the upstream, or answers 503 `upstream-unavailable`: nothing was
-/// sent.
-async fn connect(options: &GatewayOptions) -> Result<TcpStream, Response> {
-    let connecting = TcpStream::connect(options.upstream.authority.as_str());
-    let error = match tokio::time::timeout(options.connect_timeout, connecting).await {
-        Ok(Ok(stream)) => return Ok(stream),
-        Ok(Err(e)) => e,
-        Err(_) => io::Error::new(io::ErrorKind::TimedOut, "connect timed out"),
-    };
+/// 503 `upstream-unavailable`: no connection to the upstream, nothing was sent.
+fn unreachable(error: &io::Error) -> Response {
     tracing::warn!(%error, "upstream unreachable; nothing was sent");
-    Err(IdempotencyRejection::UpstreamUnavailable {
+    IdempotencyRejection::UpstreamUnavailable {
         retry_after: RETRY_AFTER,
     }
-    .into_response())
-}
-
-/// Sends `req` on an open connection (HTTP/1.1, one request per connection).
-async fn send(
-    stream: TcpStream,
-    req: Request<Body>,
-) -> Result<http::Response<hyper::body::Incoming>, hyper::Error> {
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream)).await?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "upstream connection ended");
-        }
-    });
-    sender.send_request(req).await
+    .into_response()
 }
 
 fn downstream(mut head: http::response::Parts, body: Body) -> Response {
@@ -160,14 +177,15 @@ fn downstream(mut head: http::response::Parts, body: Body) -> Response {
     Response::from_parts(head, body)
 }
 
-/// A request without idempotency: streamed through.
-async fn forward_plain(options: &GatewayOptions, req: Request) -> Response {
+/// A request without idempotency: streamed through, on a new connection.
+async fn forward_plain(forwarder: &Forwarder, req: Request) -> Response {
+    let options = &forwarder.options;
     let (parts, body) = req.into_parts();
-    let stream = match connect(options).await {
-        Ok(stream) => stream,
-        Err(unreachable) => return unreachable,
+    let mut sender = match forwarder.connections.open().await {
+        Ok(sender) => sender,
+        Err(error) => return unreachable(&error),
     };
-    let sending = send(stream, upstream_request(options, &parts, body));
+    let sending = sender.send_request(upstream_request(options, &parts, body));
     match tokio::time::timeout(options.upstream_timeout, sending).await {
         Ok(Ok(response)) => {
             let (head, body) = response.into_parts();
@@ -188,26 +206,48 @@ async fn forward_plain(options: &GatewayOptions, req: Request) -> Response {
 enum Upstreamed {
     /// A complete answer.
     Answer(http::response::Parts, Bytes),
+    /// The connection had closed, and the request was handed back unwritten.
+    NotSent(hyper::Error),
     /// The request was sent and no complete answer came back.
     Unknown(String),
 }
 
-async fn exchange(options: &GatewayOptions, stream: TcpStream, req: Request<Body>) -> Upstreamed {
-    let limit = options.max_stored_response;
+/// Sends `req` on `sender` and reads the answer whole; keeps the connection for a later
+/// request when it came back complete.
+async fn exchange(
+    forwarder: &Forwarder,
+    mut sender: SendRequest<Body>,
+    req: Request<Body>,
+) -> Upstreamed {
+    let limit = forwarder.options.max_stored_response;
     let round_trip = async {
-        let response = send(stream, req).await.map_err(|e| e.to_string())?;
+        let response = match sender.try_send_request(req).await {
+            Ok(response) => response,
+            Err(mut e) => {
+                return Err(match e.take_message() {
+                    Some(_unsent) => Upstreamed::NotSent(e.into_error()),
+                    None => Upstreamed::Unknown(e.into_error().to_string()),
+                });
+            }
+        };
         let (head, body) = response.into_parts();
         let body = Limited::new(body, limit)
             .collect()
             .await
-            .map_err(|e| format!("reading the answer: {e}"))?
+            .map_err(|e| Upstreamed::Unknown(format!("reading the answer: {e}")))?
             .to_bytes();
-        Ok::<_, String>((head, body))
+        Ok((head, body))
     };
-    match tokio::time::timeout(options.upstream_timeout, round_trip).await {
-        Ok(Ok((head, body))) => Upstreamed::Answer(head, body),
-        Ok(Err(e)) => Upstreamed::Unknown(e),
-        Err(_) => Upstreamed::Unknown(format!("no answer within {:?}", options.upstream_timeout)),
+    match tokio::time::timeout(forwarder.options.upstream_timeout, round_trip).await {
+        Ok(Ok((head, body))) => {
+            forwarder.connections.put(sender);
+            Upstreamed::Answer(head, body)
+        }
+        Ok(Err(failed)) => failed,
+        Err(_) => Upstreamed::Unknown(format!(
+            "no answer within {:?}",
+            forwarder.options.upstream_timeout
+        )),
     }
 }
 
