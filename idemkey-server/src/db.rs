@@ -137,30 +137,18 @@ impl AppDb for SqliteStore {
     }
 
     async fn insert_payment(conn: &mut SqliteConnection, p: &Payment) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO payments
+        // Both rows in one call to SQLite (one hand-off to the connection's worker thread);
+        // the statements share the numbered parameters.
+        bind_payment(
+            sqlx::query(
+                "INSERT INTO payments
                  (id, tenant, amount, currency, customer, description, status, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8);
+             INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?8)",
+            ),
+            p,
         )
-        .bind(&p.id)
-        .bind(&p.tenant)
-        .bind(p.amount)
-        .bind(&p.currency)
-        .bind(&p.customer)
-        .bind(&p.description)
-        .bind(&p.status)
-        .bind(&p.created_at)
-        .execute(&mut *conn)
-        .await?;
-        sqlx::query(
-            "INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5)",
-        )
-        .bind(&p.id)
-        .bind(&p.tenant)
-        .bind(p.amount)
-        .bind(&p.currency)
-        .bind(&p.created_at)
         .execute(conn)
         .await?;
         Ok(())
@@ -251,30 +239,21 @@ impl AppDb for PgStore {
     }
 
     async fn insert_payment(conn: &mut PgConnection, p: &Payment) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO payments
-                 (id, tenant, amount, currency, customer, description, status, created_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        // Both rows in one statement (one round trip): the ledger entry is made from the
+        // payment row the first insert returns.
+        bind_payment(
+            sqlx::query(
+                "WITH payment AS (
+                 INSERT INTO payments
+                     (id, tenant, amount, currency, customer, description, status, created_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                 RETURNING id, tenant, amount, currency, created_at
+             )
+             INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
+             SELECT id, tenant, amount, currency, created_at FROM payment",
+            ),
+            p,
         )
-        .bind(&p.id)
-        .bind(&p.tenant)
-        .bind(p.amount)
-        .bind(&p.currency)
-        .bind(&p.customer)
-        .bind(&p.description)
-        .bind(&p.status)
-        .bind(&p.created_at)
-        .execute(&mut *conn)
-        .await?;
-        sqlx::query(
-            "INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
-             VALUES ($1, $2, $3, $4, $5)",
-        )
-        .bind(&p.id)
-        .bind(&p.tenant)
-        .bind(p.amount)
-        .bind(&p.currency)
-        .bind(&p.created_at)
         .execute(conn)
         .await?;
         Ok(())
@@ -316,4 +295,26 @@ impl AppDb for PgStore {
             .fetch_one(self.pool())
             .await
     }
+}
+
+/// Binds a payment's columns, in the order of the `payments` table, as parameters 1–8.
+fn bind_payment<'q, DB>(
+    query: sqlx::query::Query<'q, DB, DB::Arguments>,
+    p: &Payment,
+) -> sqlx::query::Query<'q, DB, DB::Arguments>
+where
+    DB: sqlx::Database,
+    for<'t> &'t String: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> &'t Option<String>: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+    for<'t> i64: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
+{
+    query
+        .bind(&p.id)
+        .bind(&p.tenant)
+        .bind(p.amount)
+        .bind(&p.currency)
+        .bind(&p.customer)
+        .bind(&p.description)
+        .bind(&p.status)
+        .bind(&p.created_at)
 }
