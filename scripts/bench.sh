@@ -71,22 +71,24 @@ serve "sqlite:$WORK/bench.db"
 run_bench sqlite
 kill "$SERVER_PID"
 
-# PostgreSQL, fsync on
-start_pg
-# PG_PID is the postmaster; its children are the backends.
-if [ -n "${BEFORE:-}" ]; then
-  "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres before
-  serve "postgres://postgres@127.0.0.1:$PGPORT/before" "$BEFORE"
-  run_bench postgres-before --database-pid "$PG_PID"
+# PostgreSQL, fsync on: a fresh cluster for each build, so that the second does not run
+# on a cluster the first has grown (its checkpoints and autovacuum). PG_PID is the
+# postmaster; its children are the backends.
+run_postgres() { # $1 = label, $2 = the binary
+  start_pg "pg-$1"
+  serve "$PG_URL" "$2"
+  run_bench "$1" --database-pid "$PG_PID"
   kill "$SERVER_PID"
+  wait "$SERVER_PID" 2>/dev/null || true
+  stop_pg
+}
+if [ -n "${BEFORE:-}" ]; then
+  run_postgres postgres-before "$BEFORE"
 fi
-serve "$PG_URL"
-run_bench postgres --database-pid "$PG_PID"
+run_postgres postgres "$BIN"
 echo "JSON reports in $OUT"
 
 if [ "${SCALE:-0}" = 1 ]; then
-  kill "$SERVER_PID"
-  stop_pg
   # shellcheck disable=SC2086 # SCALE_ARGS is a list of arguments
   OUT=$OUT scripts/bench_scale.sh ${SCALE_ARGS:-}
 fi

@@ -2,8 +2,8 @@
 # default settings) under $WORK, on loopback, run as the `postgres` user when root.
 #
 #   free_port              prints a free TCP port on 127.0.0.1
-#   start_pg               initdb + start in $WORK/pg; sets PGBIN, AS_PG, PGDATA_DIR, PGPORT,
-#                          PG_PID (the postmaster) and PG_URL (…/postgres)
+#   start_pg [NAME]        initdb + start in $WORK/NAME (default pg); sets PGBIN, AS_PG,
+#                          PGDATA_DIR, PGPORT, PG_PID (the postmaster) and PG_URL (…/postgres)
 #   stop_pg                stops it (for the caller's EXIT trap; quiet when not started)
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -12,7 +12,7 @@ start_pg() {
   PGBIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
   AS_PG=""
   [ "$(id -u)" = 0 ] && AS_PG="runuser -u postgres --"
-  PGDATA_DIR=$WORK/pg
+  PGDATA_DIR=$WORK/${1:-pg}
   mkdir -p "$PGDATA_DIR"
   [ -n "$AS_PG" ] && chown postgres "$WORK" "$PGDATA_DIR"
   $AS_PG "$PGBIN/initdb" -D "$PGDATA_DIR" -A trust -U postgres -E UTF8 --no-locale >/dev/null
