@@ -86,7 +86,9 @@ if [ -n "${BEFORE:-}" ]; then
   run_postgres postgres-before "$BEFORE"
 fi
 run_postgres postgres "$BIN"
-echo "JSON reports in $OUT"
+python3 scripts/lib/bench_report.py "$OUT" sqlite-before sqlite postgres-before postgres |
+  tee "$OUT/bench.md"
+echo "JSON reports and the table (bench.md) in $OUT"
 
 if [ "${SCALE:-0}" = 1 ]; then
   # shellcheck disable=SC2086 # SCALE_ARGS is a list of arguments
