@@ -40,7 +40,8 @@ impl Flags {
 ///
 /// Call [`point_of_no_return`](Self::point_of_no_return) just before the request leaves for
 /// the other service, and [`outcome_unknown`](Self::outcome_unknown) when it timed out or the
-/// connection broke after that. What becomes of the record is then the same rule for every
+/// connection broke after that ([`nothing_sent`](Self::nothing_sent) when the call is known
+/// not to have left after all). What becomes of the record is then the same rule for every
 /// route and for `idemkey gateway` (`docs/contract.md`, "After the point of no return"):
 ///
 /// - before the point of no return, whatever the handler does frees the key: nothing can
