@@ -45,7 +45,8 @@ pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredRespons
 pub use self::scope::{KeyHasher, RecordId, Scope};
 #[cfg(feature = "sqlx")]
 pub use self::sqlx_row::{
-    AuditRow, MessageRow, OutboxAuditRow, RecordRow, classify_error, is_connection_lost,
+    AuditRow, MessageRow, OutboxAuditRow, RecordRow, bind_completion, classify_error,
+    is_connection_lost,
 };
 pub use self::store::{Begun, BoxError, CommitError, Inserted, ListFilter, Store, StoreError};
 pub use self::time::{Clock, SystemClock, Timestamp};

@@ -4,7 +4,7 @@ use std::time::Duration;
 use idemkey_core::{
     AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
     ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse,
-    Timestamp, classify_error, is_connection_lost,
+    Timestamp, bind_completion, classify_error, is_connection_lost,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
@@ -485,24 +485,17 @@ impl Store for PgStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
+        let update = sqlx::query(
             "UPDATE idemkey_records
                 SET state = 'completed', token = token + 1, lease_expires_at = NULL,
                     response_status = $5, response_headers = $6, response_body = $7,
                     updated_at = $8
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
-        )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .bind(token)
-        .bind(i32::from(response.status))
-        .bind(response.encode_headers())
-        .bind(&response.body[..])
-        .bind(now.as_millis())
-        .execute(conn)
-        .await
-        .map_err(error)?;
+        );
+        let done = bind_completion(update, id, token, response, now)
+            .execute(conn)
+            .await
+            .map_err(error)?;
         Ok(done.rows_affected() == 1)
     }
 

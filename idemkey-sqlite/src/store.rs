@@ -6,16 +6,14 @@ use std::time::Duration;
 use idemkey_core::{
     AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
     ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse,
-    Timestamp, classify_error,
+    Timestamp, bind_completion, classify_error,
 };
 use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::query::Query;
-use sqlx::sqlite::SqliteArguments;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{AssertSqlSafe, SqlSafeStr, Sqlite};
+use sqlx::{AssertSqlSafe, SqlSafeStr};
 
 use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 
@@ -307,7 +305,7 @@ COMMIT;
 BEGIN"
 );
 
-/// The completion, `?1`–`?8` bound by [`bind_completion`]: alone in
+/// The completion, `?1`–`?8` bound by [`idemkey_core::bind_completion`]: alone in
 /// [`complete`](Store::complete), with its guard and `COMMIT` in [`COMPLETE_AND_COMMIT`].
 macro_rules! complete_sql {
     () => {
@@ -318,25 +316,6 @@ macro_rules! complete_sql {
     };
 }
 use complete_sql;
-
-/// Binds the completion's values to `query` (see [`complete_sql`]).
-fn bind_completion<'q>(
-    query: Query<'q, Sqlite, SqliteArguments>,
-    id: &'q RecordId,
-    token: i64,
-    response: &'q StoredResponse,
-    now: Timestamp,
-) -> Query<'q, Sqlite, SqliteArguments> {
-    query
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .bind(token)
-        .bind(i32::from(response.status))
-        .bind(response.encode_headers())
-        .bind(&response.body[..])
-        .bind(now.as_millis())
-}
 
 /// The statements of [`COMPLETE_AND_COMMIT`] before its `COMMIT`.
 const BEFORE_COMMIT: usize = 3;
