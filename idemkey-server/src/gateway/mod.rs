@@ -205,12 +205,17 @@ struct Inner<S> {
     /// The status resource, under both secrets during a rotation.
     status: Router,
     metrics: Metrics,
-    options: Arc<GatewayOptions>,
-    /// The options again, with the connections kept to the upstream.
+    /// The options, with the connections kept to the upstream.
     forwarder: Arc<proxy::Forwarder>,
     /// Per route rule (same order as `options.routes`): the layer's external mode around
     /// the forwarding handler.
     keyed: Vec<Router>,
+}
+
+impl<S> Inner<S> {
+    fn options(&self) -> &GatewayOptions {
+        &self.forwarder.options
+    }
 }
 
 /// The gateway's state.
@@ -239,14 +244,14 @@ async fn authenticate<S: AppDb>(
     next: Next,
 ) -> Response {
     let authorization = req.headers().get(header::AUTHORIZATION);
-    let tenant = if gw.options.api_keys.is_empty() {
+    let tenant = if gw.options().api_keys.is_empty() {
         gw.sealer
             .tenant_of(authorization.map(http::HeaderValue::as_bytes))
     } else {
         let tenant = authorization
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
-            .and_then(|token| gw.options.api_keys.tenant(token.trim()));
+            .and_then(|token| gw.options().api_keys.tenant(token.trim()));
         match tenant {
             Some(t) => t.to_owned(),
             None => return ApiError::Unauthorized.into_response(),
@@ -297,8 +302,7 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
     let sealer = KeySealer::new(secrets.current());
     let previous_sealer = secrets.previous().map(KeySealer::new);
     let base = secrets.layer(db.clone());
-    let shared = Arc::new(options.clone());
-    let forwarder = Arc::new(proxy::Forwarder::new(shared.clone()));
+    let forwarder = Arc::new(proxy::Forwarder::new(Arc::new(options.clone())));
     let keyed = options
         .routes
         .iter()
@@ -327,7 +331,6 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
         previous_sealer,
         status: base.status_router(),
         metrics: metrics.clone(),
-        options: shared,
         forwarder,
         keyed,
     }));

@@ -62,7 +62,7 @@ pub(super) async fn handle<S: AppDb>(State(gw): State<Gateway<S>>, req: Request)
     let rule = if is_safe(req.method()) {
         None
     } else {
-        gw.options
+        gw.options()
             .routes
             .iter()
             .position(|r| r.matches(req.method(), req.uri().path()))
@@ -70,7 +70,7 @@ pub(super) async fn handle<S: AppDb>(State(gw): State<Gateway<S>>, req: Request)
     let Some(i) = rule else {
         return forward_plain(&gw.forwarder, req).await;
     };
-    let RouteRule { requirement, .. } = &gw.options.routes[i];
+    let RouteRule { requirement, .. } = &gw.options().routes[i];
     if *requirement == KeyRequirement::Optional && !req.headers().contains_key(HEADER_NAME) {
         return forward_plain(&gw.forwarder, req).await;
     }

@@ -30,8 +30,8 @@ const BATCH: u32 = 100;
 pub(super) async fn run<S: AppDb>(gw: Gateway<S>, template: String, every: Duration) {
     let client = match reqwest::Client::builder()
         .no_proxy()
-        .timeout(gw.options.upstream_timeout)
-        .connect_timeout(gw.options.connect_timeout)
+        .timeout(gw.options().upstream_timeout)
+        .connect_timeout(gw.options().connect_timeout)
         .build()
     {
         Ok(client) => client,
@@ -109,7 +109,7 @@ async fn reconcile_once<S: AppDb>(
         .await;
         let (resolution, what) = match answer {
             Ok((status, headers, body))
-                if status.is_success() && body.len() <= gw.options.max_stored_response =>
+                if status.is_success() && body.len() <= gw.options().max_stored_response =>
             {
                 let stored = StoredResponse {
                     status: status.as_u16(),
