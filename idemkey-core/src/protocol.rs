@@ -189,8 +189,21 @@ async fn reserve_as<S: Store>(
     state: RecordState,
 ) -> Result<ClaimOutcome> {
     let record = new_record(claim, state, Some(claim.now.plus(lease)));
+    // A fresh key ends with this one write, which the store may commit together with
+    // other reservations; a taken key goes on on a connection of its own.
+    let first = match store.insert_autocommit(&record).await {
+        Ok(Inserted::Owned) => {
+            return Ok(ClaimOutcome::Owned {
+                token: 1,
+                expires_at: record.expires_at,
+            });
+        }
+        Ok(inserted) => inserted,
+        Err(StoreError::Busy(_)) => return Ok(in_flight()),
+        Err(e) => return Err(e.into()),
+    };
     let mut conn = store.acquire_for_write().await?;
-    claim_after(store, &mut conn, &record, claim, None).await
+    claim_after(store, &mut conn, &record, claim, Some(first)).await
 }
 
 fn new_record(claim: &Claim, state: RecordState, lease: Option<Timestamp>) -> NewRecord {
@@ -429,10 +442,9 @@ impl<S: Store> Lease<S> {
 
     /// Stores the outcome.
     pub async fn complete(&self, response: &StoredResponse) -> Result<()> {
-        let mut conn = self.store.acquire_for_write().await?;
         let ok = self
             .store
-            .complete(&mut conn, &self.id, self.token, response, self.clock.now())
+            .complete_autocommit(&self.id, self.token, response, self.clock.now())
             .await?;
         fenced_unless(ok)
     }

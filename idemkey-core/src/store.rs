@@ -147,6 +147,39 @@ pub trait Store: Clone + Send + Sync + 'static {
         self.acquire()
     }
 
+    /// External mode's reservation: [`insert`](Self::insert) on a connection of its own
+    /// ([`acquire_for_write`](Self::acquire_for_write)), committed by itself. A store may
+    /// commit concurrent reservations together (one transaction for several records, each
+    /// answered only once that transaction committed); it must then answer exactly as
+    /// [`insert`](Self::insert) would have for each, [`Inserted::Conflict`] where it did not
+    /// read the record that took the key.
+    fn insert_autocommit(
+        &self,
+        record: &NewRecord,
+    ) -> impl Future<Output = Result<Inserted, StoreError>> + Send {
+        async move {
+            let mut conn = self.acquire_for_write().await?;
+            self.insert(&mut conn, record).await
+        }
+    }
+
+    /// External mode's completion: [`complete`](Self::complete) on a connection of its own,
+    /// committed by itself. A store may commit concurrent completions together, as for
+    /// [`insert_autocommit`](Self::insert_autocommit); an error then still means what it
+    /// means for [`complete`](Self::complete) alone.
+    fn complete_autocommit(
+        &self,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        async move {
+            let mut conn = self.acquire_for_write().await?;
+            self.complete(&mut conn, id, token, response, now).await
+        }
+    }
+
     /// The claim: inserts `record` unless the identity exists; when it exists, returns the
     /// record committed before the claim began if the store can see it
     /// ([`Inserted::Existing`]), so a replay needs no second read. A store that can tell

@@ -830,6 +830,113 @@ pub async fn reservation_marked_at_the_point_of_no_return<H: Harness>(h: H) {
     owned(reserve(freed.clone(), Timestamp::now()).await);
 }
 
+/// External mode under a race, as the gateway makes it: 50 keys × 4 concurrent
+/// reservations (each claimant with a body of its own; the losers are answered in flight or
+/// mismatched), then every owner's completion beside
+/// a stale one per key, all at once. A store may commit such concurrent writes together
+/// ([`Store::insert_autocommit`], [`Store::complete_autocommit`]); each must still be
+/// answered as if written alone: one owner per key, whose own record was stored; every
+/// stale completion refused; every owner's outcome replayed to its own body, and a
+/// mismatch to the others.
+pub async fn concurrent_reservations_and_completions_answer_each_writer<H: Harness>(h: H) {
+    const KEYS: usize = 50;
+    const CLAIMANTS: u8 = 4;
+    let lease = Duration::from_secs(30);
+    let store = h.store().clone();
+    let now = Timestamp::now();
+    let id = |k: usize| record_id("t1", "/v1/transfers", &format!("race-{k}"));
+
+    let barrier = Arc::new(Barrier::new(KEYS * usize::from(CLAIMANTS)));
+    let mut tasks = Vec::new();
+    for k in 0..KEYS {
+        for body in 1..=CLAIMANTS {
+            let (store, barrier, claim) =
+                (store.clone(), barrier.clone(), claim_at(&id(k), body, now));
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let outcome = protocol::reserve_at_point_of_no_return(&store, &claim, lease)
+                    .await
+                    .expect("reserve");
+                (k, body, outcome)
+            }));
+        }
+    }
+    let mut owners: HashMap<usize, (u8, i64)> = HashMap::new();
+    for task in tasks {
+        match task.await.expect("task") {
+            (k, body, ClaimOutcome::Owned { token, .. }) => {
+                assert!(
+                    owners.insert(k, (body, token)).is_none(),
+                    "key {k} owned twice"
+                );
+            }
+            // The owner's record answers another body with a mismatch.
+            (_, _, ClaimOutcome::InFlight { .. } | ClaimOutcome::Mismatch { .. }) => {}
+            (_, _, other) => panic!("a reserved key is not the others': {other:?}"),
+        }
+    }
+    assert_eq!(owners.len(), KEYS, "every key has its owner");
+    for (&k, &(body, _)) in &owners {
+        let record = fetch(&h, &id(k)).await.expect("record");
+        assert_eq!(record.state, RecordState::Executing);
+        assert_eq!(
+            record.fingerprint,
+            fp(body),
+            "key {k} holds its owner's record"
+        );
+    }
+
+    let barrier = Arc::new(Barrier::new(2 * KEYS));
+    let mut tasks = Vec::new();
+    for (&k, &(_, token)) in &owners {
+        for stale in [false, true] {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            let token = if stale { token - 1 } else { token };
+            let owner = Lease::new(store, id(k), token, lease);
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let done = owner.complete(&response(&format!("{{\"key\":{k}}}"))).await;
+                (k, stale, done)
+            }));
+        }
+    }
+    for task in tasks {
+        match task.await.expect("task") {
+            (_, false, done) => done.expect("the owner completes"),
+            (k, true, done) => assert!(
+                matches!(done, Err(protocol::Error::Fenced)),
+                "key {k}: a stale completion is refused: {done:?}"
+            ),
+        }
+    }
+    for (&k, &(body, _)) in &owners {
+        let replay = protocol::reserve_at_point_of_no_return(
+            &store,
+            &claim_at(&id(k), body, Timestamp::now()),
+            lease,
+        )
+        .await
+        .expect("replay");
+        match replay {
+            ClaimOutcome::Replay { response, .. } => {
+                assert_eq!(response.body, format!("{{\"key\":{k}}}").into_bytes())
+            }
+            other => panic!("key {k}: the owner's outcome is replayed: {other:?}"),
+        }
+        let other = protocol::reserve_at_point_of_no_return(
+            &store,
+            &claim_at(&id(k), body % CLAIMANTS + 1, Timestamp::now()),
+            lease,
+        )
+        .await
+        .expect("mismatch");
+        assert!(
+            matches!(other, ClaimOutcome::Mismatch { .. }),
+            "key {k}: another body mismatches: {other:?}"
+        );
+    }
+}
+
 /// An operator may release an indeterminate operation; the next attempt executes it.
 pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
     let store = h.store().clone();
@@ -1037,6 +1144,7 @@ macro_rules! conformance_tests {
             takeover_before_point_of_no_return_fences_the_stale_owner,
             lapsed_lease_after_point_of_no_return_turns_indeterminate,
             reservation_marked_at_the_point_of_no_return,
+            concurrent_reservations_and_completions_answer_each_writer,
             released_indeterminate_record_executes_again,
             released_reservation_frees_the_key,
             resolutions_are_audited_and_sealed_keys_kept,
