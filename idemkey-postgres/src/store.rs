@@ -1,4 +1,6 @@
+use std::collections::HashSet;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use idemkey_core::{
@@ -11,6 +13,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
 use sqlx::{FromRow, Postgres, Row};
 
+use crate::group::Group;
 use crate::literal::Sql;
 use crate::transaction::{PgTransaction, abandon};
 
@@ -18,6 +21,18 @@ use crate::transaction::{PgTransaction, abandon};
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
+    /// External mode's reservations and completions, committed in groups (`group.rs`).
+    reservations: Arc<Group<NewRecord, Result<Inserted, StoreError>>>,
+    completions: Arc<Group<Completion, Result<bool, StoreError>>>,
+}
+
+/// A completion waiting for its group.
+#[derive(Debug)]
+struct Completion {
+    id: RecordId,
+    token: i64,
+    response: StoredResponse,
+    now: Timestamp,
 }
 
 impl PgStore {
@@ -26,7 +41,11 @@ impl PgStore {
 
     /// A store on an existing pool (for example the application's own).
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            reservations: Arc::default(),
+            completions: Arc::default(),
+        }
     }
 
     /// How long a statement waits for a lock on connections made by
@@ -226,6 +245,210 @@ impl PgStore {
     }
 }
 
+/// The identities a grouped statement returned (`RETURNING tenant, key_hash, route`).
+fn returned_ids(rows: Vec<(String, Vec<u8>, String)>) -> HashSet<RecordId> {
+    rows.into_iter()
+        .filter_map(|(tenant, key_hash, route)| {
+            Some(RecordId {
+                tenant,
+                key_hash: key_hash.try_into().ok()?,
+                route,
+            })
+        })
+        .collect()
+}
+
+/// Which of `ids` go into one grouped statement: the first of each identity, in the order
+/// of the table's primary key, so that two groups never wait on each other's rows in
+/// opposite orders. The others (a second write to the same record) are written alone after
+/// the group.
+fn grouped<'a>(ids: impl Iterator<Item = &'a RecordId>) -> (Vec<usize>, Vec<bool>) {
+    let ids: Vec<&RecordId> = ids.collect();
+    let mut order: Vec<usize> = (0..ids.len()).collect();
+    order.sort_by(|&a, &b| {
+        let key = |id: &RecordId| (id.tenant.clone(), id.key_hash, id.route.clone());
+        key(ids[a]).cmp(&key(ids[b])).then(a.cmp(&b))
+    });
+    let mut in_group = vec![false; ids.len()];
+    order.dedup_by(|&mut later, &mut first| ids[later] == ids[first]);
+    for &i in &order {
+        in_group[i] = true;
+    }
+    (order, in_group)
+}
+
+impl PgStore {
+    /// One reservation, alone on a pooled connection.
+    async fn insert_alone(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
+        let mut conn = self.acquire().await?;
+        self.insert(&mut conn, record).await
+    }
+
+    /// One completion, alone on a pooled connection.
+    async fn complete_alone(&self, c: &Completion) -> Result<bool, StoreError> {
+        let mut conn = self.acquire().await?;
+        self.complete(&mut conn, &c.id, c.token, &c.response, c.now)
+            .await
+    }
+
+    /// A group of reservations: one `INSERT` of every row (autocommit), answered
+    /// [`Inserted::Owned`] for the rows it inserted and [`Inserted::Conflict`] for the keys
+    /// it found taken (the protocol reads those records). If the statement fails, nobody
+    /// can tell whose row failed it: each reservation is made again alone, which is safe
+    /// whether or not the group committed (a reservation that finds its own row is answered
+    /// as any claim that finds a record in flight).
+    async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
+        if let [record] = &records[..] {
+            return vec![self.insert_alone(record).await];
+        }
+        let (order, in_group) = grouped(records.iter().map(|r| &r.id));
+        let rows: Vec<&NewRecord> = order.iter().map(|&i| &records[i]).collect();
+        let inserted = sqlx::query_as::<_, (String, Vec<u8>, String)>(
+            "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
+                    fingerprint_parts, state, token, lease_expires_at, created_at, updated_at,
+                    expires_at, sealed_key, fingerprint_members)
+             SELECT tenant, key_hash, route, fingerprint, parts, state, 1, lease, created,
+                    created, expires, sealed, members
+               FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::bytea[],
+                           $6::text[], $7::bigint[], $8::bigint[], $9::bigint[],
+                           $10::bytea[], $11::bytea[])
+                    WITH ORDINALITY AS r (tenant, key_hash, route, fingerprint, parts, state,
+                                          lease, created, expires, sealed, members, n)
+              ORDER BY n
+             ON CONFLICT (tenant, key_hash, route) DO NOTHING
+             RETURNING tenant, key_hash, route",
+        )
+        .bind(
+            rows.iter()
+                .map(|r| r.id.tenant.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|r| &r.id.key_hash[..]).collect::<Vec<_>>())
+        .bind(rows.iter().map(|r| r.id.route.as_str()).collect::<Vec<_>>())
+        .bind(
+            rows.iter()
+                .map(|r| &r.fingerprint.digest[..])
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            rows.iter()
+                .map(|r| r.fingerprint.parts.to_bytes())
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|r| r.state.as_str()).collect::<Vec<_>>())
+        .bind(
+            rows.iter()
+                .map(|r| r.lease_expires_at.map(Timestamp::as_millis))
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|r| r.now.as_millis()).collect::<Vec<_>>())
+        .bind(
+            rows.iter()
+                .map(|r| r.expires_at.as_millis())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            rows.iter()
+                .map(|r| r.sealed_key.as_deref())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            rows.iter()
+                .map(|r| r.fingerprint.members.as_ref().map(Members::to_bytes))
+                .collect::<Vec<_>>(),
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map(returned_ids);
+        let mut answers = Vec::with_capacity(records.len());
+        for (record, in_group) in records.iter().zip(in_group) {
+            answers.push(match &inserted {
+                Ok(inserted) if in_group => Ok(if inserted.contains(&record.id) {
+                    Inserted::Owned
+                } else {
+                    Inserted::Conflict
+                }),
+                _ => self.insert_alone(record).await,
+            });
+        }
+        answers
+    }
+
+    /// A group of completions: one `UPDATE` of every row (autocommit), each answered as
+    /// [`complete`](Store::complete) would be: `true` where the row still carried the
+    /// owner's token. If the statement failed with an answer from the server (nothing was
+    /// committed), each is written again alone, so that each gets its own answer; if the
+    /// connection was lost, the group may or may not have committed, and each gets that
+    /// error, as a completion alone would.
+    async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
+        if let [c] = &group[..] {
+            return vec![self.complete_alone(c).await];
+        }
+        let (order, in_group) = grouped(group.iter().map(|c| &c.id));
+        let rows: Vec<&Completion> = order.iter().map(|&i| &group[i]).collect();
+        let completed = sqlx::query_as::<_, (String, Vec<u8>, String)>(
+            "UPDATE idemkey_records AS r
+                SET state = 'completed', token = r.token + 1, lease_expires_at = NULL,
+                    response_status = c.status, response_headers = c.headers,
+                    response_body = c.body, updated_at = c.now
+               FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bigint[], $5::integer[],
+                           $6::bytea[], $7::bytea[], $8::bigint[])
+                    AS c (tenant, key_hash, route, token, status, headers, body, now)
+              WHERE r.tenant = c.tenant AND r.key_hash = c.key_hash AND r.route = c.route
+                AND r.token = c.token
+             RETURNING r.tenant, r.key_hash, r.route",
+        )
+        .bind(
+            rows.iter()
+                .map(|c| c.id.tenant.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|c| &c.id.key_hash[..]).collect::<Vec<_>>())
+        .bind(rows.iter().map(|c| c.id.route.as_str()).collect::<Vec<_>>())
+        .bind(rows.iter().map(|c| c.token).collect::<Vec<_>>())
+        .bind(
+            rows.iter()
+                .map(|c| i32::from(c.response.status))
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            rows.iter()
+                .map(|c| c.response.encode_headers())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            rows.iter()
+                .map(|c| &c.response.body[..])
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|c| c.now.as_millis()).collect::<Vec<_>>())
+        .fetch_all(&self.pool)
+        .await
+        .map(returned_ids);
+        let mut answers = Vec::with_capacity(group.len());
+        for (c, in_group) in group.iter().zip(in_group) {
+            answers.push(match &completed {
+                Ok(completed) if in_group => Ok(completed.contains(&c.id)),
+                Err(e) if in_group && is_connection_lost(e) => Err(StoreError::Unavailable(
+                    Box::new(std::io::Error::other(format!(
+                        "the connection was lost while {} completions were committed together: {e}",
+                        order.len()
+                    ))),
+                )),
+                _ => self.complete_alone(c).await,
+            });
+        }
+        answers
+    }
+}
+
+/// A group's writer task ended without answering (it panicked).
+fn unanswered() -> StoreError {
+    StoreError::Database(Box::new(std::io::Error::other(
+        "the writer of a group of writes ended without an answer",
+    )))
+}
+
 impl Store for PgStore {
     type Connection = PgConnection;
     type Transaction = PgTransaction;
@@ -375,6 +598,47 @@ impl Store for PgStore {
 
     async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {
         self.pool.acquire().await.map_err(error)
+    }
+
+    /// Concurrent reservations are committed in groups, one `INSERT` each (see `group.rs`
+    /// and [`PgStore::insert_group`]); one that finds nothing being written goes at once,
+    /// alone.
+    async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
+        let store = self.clone();
+        let write = move |records| {
+            let store = store.clone();
+            async move { store.insert_group(records).await }
+        };
+        self.reservations
+            .submit(record.clone(), write)
+            .await
+            .unwrap_or_else(|| Err(unanswered()))
+    }
+
+    /// Concurrent completions are committed in groups, one `UPDATE` each (see `group.rs`
+    /// and [`PgStore::complete_group`]).
+    async fn complete_autocommit(
+        &self,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let store = self.clone();
+        let write = move |group| {
+            let store = store.clone();
+            async move { store.complete_group(group).await }
+        };
+        let completion = Completion {
+            id: id.clone(),
+            token,
+            response: response.clone(),
+            now,
+        };
+        self.completions
+            .submit(completion, write)
+            .await
+            .unwrap_or_else(|| Err(unanswered()))
     }
 
     async fn insert(&self, conn: &mut PgConnection, r: &NewRecord) -> Result<Inserted, StoreError> {
@@ -739,5 +1003,71 @@ impl Store for PgStore {
         Some(Box::pin(futures::stream::unfold(follow, |follow| async {
             Some(follow.next().await)
         })))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idemkey_core::RecordState;
+    use idemkey_core::protocol::{self, ClaimOutcome};
+    use idemkey_testkit::conformance::{begin_owned, claim_at, record_id};
+
+    use super::*;
+
+    /// A group whose `INSERT` fails (one of its keys is held by an uncommitted claim past
+    /// the lock time-out) answers each reservation alone: the held key is busy, the others
+    /// are owned, and when the holder rolls back the held key is free.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_group_answers_each_reservation_alone() {
+        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
+            .await
+            .expect("fresh database");
+        let options = PgConnectOptions::from_str(&url)
+            .expect("url")
+            .options([("lock_timeout", "200ms")]);
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .expect("connect");
+        let store = PgStore::new(pool);
+        store.migrate().await.expect("migrate");
+        let now = Timestamp::now();
+        let claim = |key: &str| claim_at(&record_id("t1", "/v1/transfers", key), 1, now);
+        let new = |key: &str| NewRecord {
+            id: claim(key).id,
+            fingerprint: claim(key).fingerprint,
+            state: RecordState::Executing,
+            lease_expires_at: Some(now.plus(Duration::from_secs(30))),
+            now,
+            expires_at: now.plus(Duration::from_secs(3600)),
+            sealed_key: None,
+        };
+        let (holder, _) = begin_owned(&store, &claim("held")).await;
+
+        let group = vec![new("free-1"), new("held"), new("free-2"), new("free-1")];
+        let answers = store.insert_group(group).await;
+        assert!(matches!(answers[0], Ok(Inserted::Owned)), "{answers:?}");
+        assert!(
+            matches!(answers[1], Err(StoreError::Busy(_))),
+            "{answers:?}"
+        );
+        assert!(matches!(answers[2], Ok(Inserted::Owned)), "{answers:?}");
+        // The second write of a record in one group is made alone after it: it finds the
+        // first one's record.
+        assert!(
+            matches!(&answers[3], Ok(Inserted::Existing(r)) if r.id == claim("free-1").id),
+            "{answers:?}"
+        );
+
+        holder.rollback().await.expect("rollback");
+        let again = protocol::reserve_at_point_of_no_return(
+            &store,
+            &claim("held"),
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("reserve");
+        assert!(matches!(again, ClaimOutcome::Owned { .. }), "{again:?}");
     }
 }
