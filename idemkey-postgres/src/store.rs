@@ -600,9 +600,10 @@ impl Store for PgStore {
         self.pool.acquire().await.map_err(error)
     }
 
-    /// Concurrent reservations are committed in groups, one `INSERT` each (see `group.rs`
-    /// and [`PgStore::insert_group`]); one that finds nothing being written goes at once,
-    /// alone.
+    /// Concurrent reservations are committed in groups, one `INSERT` of up to 64 rows each,
+    /// each answered once its group committed, as [`insert`](Store::insert) would have
+    /// answered it alone (a key found taken is [`Inserted::Conflict`]); one that finds
+    /// nothing being written goes at once, alone. (`group.rs`, `PgStore::insert_group`.)
     async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
         let store = self.clone();
         let write = move |records| {
@@ -615,8 +616,9 @@ impl Store for PgStore {
             .unwrap_or_else(|| Err(unanswered()))
     }
 
-    /// Concurrent completions are committed in groups, one `UPDATE` each (see `group.rs`
-    /// and [`PgStore::complete_group`]).
+    /// Concurrent completions are committed in groups, one `UPDATE` of up to 64 rows each,
+    /// each answered once its group committed, as [`complete`](Store::complete) would have
+    /// answered it alone. (`group.rs`, `PgStore::complete_group`.)
     async fn complete_autocommit(
         &self,
         id: &RecordId,
