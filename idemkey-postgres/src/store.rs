@@ -245,6 +245,11 @@ impl PgStore {
     }
 }
 
+/// One column of a grouped statement: `f` of every row, in the rows' order.
+fn column<'a, T, U>(rows: &[&'a T], f: impl Fn(&'a T) -> U) -> Vec<U> {
+    rows.iter().map(|&row| f(row)).collect()
+}
+
 /// The identities a grouped statement returned (`RETURNING tenant, key_hash, route`).
 fn returned_ids(rows: Vec<(String, Vec<u8>, String)>) -> HashSet<RecordId> {
     rows.into_iter()
@@ -318,45 +323,21 @@ impl PgStore {
              ON CONFLICT (tenant, key_hash, route) DO NOTHING
              RETURNING tenant, key_hash, route",
         )
-        .bind(
-            rows.iter()
-                .map(|r| r.id.tenant.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .bind(rows.iter().map(|r| &r.id.key_hash[..]).collect::<Vec<_>>())
-        .bind(rows.iter().map(|r| r.id.route.as_str()).collect::<Vec<_>>())
-        .bind(
-            rows.iter()
-                .map(|r| &r.fingerprint.digest[..])
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            rows.iter()
-                .map(|r| r.fingerprint.parts.to_bytes())
-                .collect::<Vec<_>>(),
-        )
-        .bind(rows.iter().map(|r| r.state.as_str()).collect::<Vec<_>>())
-        .bind(
-            rows.iter()
-                .map(|r| r.lease_expires_at.map(Timestamp::as_millis))
-                .collect::<Vec<_>>(),
-        )
-        .bind(rows.iter().map(|r| r.now.as_millis()).collect::<Vec<_>>())
-        .bind(
-            rows.iter()
-                .map(|r| r.expires_at.as_millis())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            rows.iter()
-                .map(|r| r.sealed_key.as_deref())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            rows.iter()
-                .map(|r| r.fingerprint.members.as_ref().map(Members::to_bytes))
-                .collect::<Vec<_>>(),
-        )
+        .bind(column(&rows, |r| r.id.tenant.as_str()))
+        .bind(column(&rows, |r| &r.id.key_hash[..]))
+        .bind(column(&rows, |r| r.id.route.as_str()))
+        .bind(column(&rows, |r| &r.fingerprint.digest[..]))
+        .bind(column(&rows, |r| r.fingerprint.parts.to_bytes()))
+        .bind(column(&rows, |r| r.state.as_str()))
+        .bind(column(&rows, |r| {
+            r.lease_expires_at.map(Timestamp::as_millis)
+        }))
+        .bind(column(&rows, |r| r.now.as_millis()))
+        .bind(column(&rows, |r| r.expires_at.as_millis()))
+        .bind(column(&rows, |r| r.sealed_key.as_deref()))
+        .bind(column(&rows, |r| {
+            r.fingerprint.members.as_ref().map(Members::to_bytes)
+        }))
         .fetch_all(&self.pool)
         .await
         .map(returned_ids);
@@ -398,30 +379,14 @@ impl PgStore {
                 AND r.token = c.token
              RETURNING r.tenant, r.key_hash, r.route",
         )
-        .bind(
-            rows.iter()
-                .map(|c| c.id.tenant.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .bind(rows.iter().map(|c| &c.id.key_hash[..]).collect::<Vec<_>>())
-        .bind(rows.iter().map(|c| c.id.route.as_str()).collect::<Vec<_>>())
-        .bind(rows.iter().map(|c| c.token).collect::<Vec<_>>())
-        .bind(
-            rows.iter()
-                .map(|c| i32::from(c.response.status))
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            rows.iter()
-                .map(|c| c.response.encode_headers())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            rows.iter()
-                .map(|c| &c.response.body[..])
-                .collect::<Vec<_>>(),
-        )
-        .bind(rows.iter().map(|c| c.now.as_millis()).collect::<Vec<_>>())
+        .bind(column(&rows, |c| c.id.tenant.as_str()))
+        .bind(column(&rows, |c| &c.id.key_hash[..]))
+        .bind(column(&rows, |c| c.id.route.as_str()))
+        .bind(column(&rows, |c| c.token))
+        .bind(column(&rows, |c| i32::from(c.response.status)))
+        .bind(column(&rows, |c| c.response.encode_headers()))
+        .bind(column(&rows, |c| &c.response.body[..]))
+        .bind(column(&rows, |c| c.now.as_millis()))
         .fetch_all(&self.pool)
         .await
         .map(returned_ids);
