@@ -14,7 +14,9 @@
 //!   external-mode record once its owner is done (complete / release / indeterminate);
 //! - [`Store`]: the SQL primitives a backend provides;
 //! - [`protocol`]: the claim protocol on top of them, written once for every store;
-//! - [`outbox`]: the SQL primitives of the transactional outbox ([`outbox::OutboxStore`]).
+//! - [`outbox`]: the SQL primitives of the transactional outbox ([`outbox::OutboxStore`]);
+//! - `group` (feature `sqlx`): group commit of external-mode writes, shared by the sqlx
+//!   stores.
 //!
 //! - [`Clock`]: where the current time comes from.
 //!
@@ -23,6 +25,8 @@
 mod decision;
 mod eviction;
 mod fingerprint;
+#[cfg(feature = "sqlx")]
+pub mod group;
 mod key;
 pub mod outbox;
 pub mod problem;

@@ -15,7 +15,6 @@
 //! commits (then it replays) or rolls back (then it owns the key). Claims of different keys
 //! never wait for each other.
 
-mod group;
 mod literal;
 mod outbox;
 mod store;

@@ -1,8 +1,7 @@
-use std::collections::HashSet;
 use std::str::FromStr;
-use std::sync::Arc;
 use std::time::Duration;
 
+use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
     AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
     ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse,
@@ -13,7 +12,6 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
 use sqlx::{FromRow, Postgres, Row};
 
-use crate::group::Group;
 use crate::literal::Sql;
 use crate::transaction::{PgTransaction, abandon};
 
@@ -21,18 +19,9 @@ use crate::transaction::{PgTransaction, abandon};
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
-    /// External mode's reservations and completions, committed in groups (`group.rs`).
-    reservations: Arc<Group<NewRecord, Result<Inserted, StoreError>>>,
-    completions: Arc<Group<Completion, Result<bool, StoreError>>>,
-}
-
-/// A completion waiting for its group.
-#[derive(Debug)]
-struct Completion {
-    id: RecordId,
-    token: i64,
-    response: StoredResponse,
-    now: Timestamp,
+    /// External mode's reservations and completions, committed in groups
+    /// (`idemkey_core::group`).
+    grouped: GroupedWrites,
 }
 
 impl PgStore {
@@ -43,8 +32,7 @@ impl PgStore {
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
-            reservations: Arc::default(),
-            completions: Arc::default(),
+            grouped: GroupedWrites::default(),
         }
     }
 
@@ -250,38 +238,6 @@ fn column<'a, T, U>(rows: &[&'a T], f: impl Fn(&'a T) -> U) -> Vec<U> {
     rows.iter().map(|&row| f(row)).collect()
 }
 
-/// The identities a grouped statement returned (`RETURNING tenant, key_hash, route`).
-fn returned_ids(rows: Vec<(String, Vec<u8>, String)>) -> HashSet<RecordId> {
-    rows.into_iter()
-        .filter_map(|(tenant, key_hash, route)| {
-            Some(RecordId {
-                tenant,
-                key_hash: key_hash.try_into().ok()?,
-                route,
-            })
-        })
-        .collect()
-}
-
-/// Which of `ids` go into one grouped statement: the first of each identity, in the order
-/// of the table's primary key, so that two groups never wait on each other's rows in
-/// opposite orders. The others (a second write to the same record) are written alone after
-/// the group.
-fn grouped<'a>(ids: impl Iterator<Item = &'a RecordId>) -> (Vec<usize>, Vec<bool>) {
-    let ids: Vec<&RecordId> = ids.collect();
-    let mut order: Vec<usize> = (0..ids.len()).collect();
-    order.sort_by(|&a, &b| {
-        let key = |id: &RecordId| (id.tenant.clone(), id.key_hash, id.route.clone());
-        key(ids[a]).cmp(&key(ids[b])).then(a.cmp(&b))
-    });
-    let mut in_group = vec![false; ids.len()];
-    order.dedup_by(|&mut later, &mut first| ids[later] == ids[first]);
-    for &i in &order {
-        in_group[i] = true;
-    }
-    (order, in_group)
-}
-
 impl PgStore {
     /// One reservation, alone on a pooled connection.
     async fn insert_alone(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
@@ -295,19 +251,20 @@ impl PgStore {
         self.complete(&mut conn, &c.id, c.token, &c.response, c.now)
             .await
     }
+}
 
-    /// A group of reservations: one `INSERT` of every row (autocommit), answered
-    /// [`Inserted::Owned`] for the rows it inserted and [`Inserted::Conflict`] for the keys
-    /// it found taken (the protocol reads those records). If the statement fails, nobody
-    /// can tell whose row failed it: each reservation is made again alone, which is safe
-    /// whether or not the group committed (a reservation that finds its own row is answered
-    /// as any claim that finds a record in flight).
+impl GroupWriter for PgStore {
+    /// One `INSERT` of every row (autocommit), answered [`Inserted::Owned`] for the rows it
+    /// inserted and [`Inserted::Conflict`] for the keys it found taken (the protocol reads
+    /// those records). If the statement fails, nobody can tell whose row failed it: each
+    /// reservation is made again alone, which is safe whether or not the group committed (a
+    /// reservation that finds its own row is answered as any claim that finds a record in
+    /// flight).
     async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
         if let [record] = &records[..] {
             return vec![self.insert_alone(record).await];
         }
-        let (order, in_group) = grouped(records.iter().map(|r| &r.id));
-        let rows: Vec<&NewRecord> = order.iter().map(|&i| &records[i]).collect();
+        let (rows, in_group) = group::plan(&records, |r| &r.id);
         let inserted = sqlx::query_as::<_, (String, Vec<u8>, String)>(
             "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
                     fingerprint_parts, state, token, lease_expires_at, created_at, updated_at,
@@ -340,22 +297,19 @@ impl PgStore {
         }))
         .fetch_all(&self.pool)
         .await
-        .map(returned_ids);
-        let mut answers = Vec::with_capacity(records.len());
-        for (record, in_group) in records.iter().zip(in_group) {
-            answers.push(match &inserted {
-                Ok(inserted) if in_group => Ok(if inserted.contains(&record.id) {
-                    Inserted::Owned
-                } else {
-                    Inserted::Conflict
-                }),
-                _ => self.insert_alone(record).await,
-            });
-        }
-        answers
+        .map(group::returned);
+        let from_group = |record: &NewRecord| {
+            let inserted = inserted.as_ref().ok()?;
+            Some(Ok(if inserted.contains(&record.id) {
+                Inserted::Owned
+            } else {
+                Inserted::Conflict
+            }))
+        };
+        group::answer_each(&records, &in_group, from_group, |r| self.insert_alone(r)).await
     }
 
-    /// A group of completions: one `UPDATE` of every row (autocommit), each answered as
+    /// One `UPDATE` of every row (autocommit), each answered as
     /// [`complete`](Store::complete) would be: `true` where the row still carried the
     /// owner's token. If the statement failed with an answer from the server (nothing was
     /// committed), each is written again alone, so that each gets its own answer; if the
@@ -365,8 +319,7 @@ impl PgStore {
         if let [c] = &group[..] {
             return vec![self.complete_alone(c).await];
         }
-        let (order, in_group) = grouped(group.iter().map(|c| &c.id));
-        let rows: Vec<&Completion> = order.iter().map(|&i| &group[i]).collect();
+        let (rows, in_group) = group::plan(&group, |c| &c.id);
         let completed = sqlx::query_as::<_, (String, Vec<u8>, String)>(
             "UPDATE idemkey_records AS r
                 SET state = 'completed', token = r.token + 1, lease_expires_at = NULL,
@@ -389,29 +342,19 @@ impl PgStore {
         .bind(column(&rows, |c| c.now.as_millis()))
         .fetch_all(&self.pool)
         .await
-        .map(returned_ids);
-        let mut answers = Vec::with_capacity(group.len());
-        for (c, in_group) in group.iter().zip(in_group) {
-            answers.push(match &completed {
-                Ok(completed) if in_group => Ok(completed.contains(&c.id)),
-                Err(e) if in_group && is_connection_lost(e) => Err(StoreError::Unavailable(
-                    Box::new(std::io::Error::other(format!(
-                        "the connection was lost while {} completions were committed together: {e}",
-                        order.len()
-                    ))),
+        .map(group::returned);
+        let written = rows.len();
+        let from_group = |c: &Completion| match &completed {
+            Ok(completed) => Some(Ok(completed.contains(&c.id))),
+            Err(e) if is_connection_lost(e) => Some(Err(StoreError::Unavailable(Box::new(
+                std::io::Error::other(format!(
+                    "the connection was lost while {written} completions were committed together: {e}"
                 )),
-                _ => self.complete_alone(c).await,
-            });
-        }
-        answers
+            )))),
+            Err(_) => None,
+        };
+        group::answer_each(&group, &in_group, from_group, |c| self.complete_alone(c)).await
     }
-}
-
-/// A group's writer task ended without answering (it panicked).
-fn unanswered() -> StoreError {
-    StoreError::Database(Box::new(std::io::Error::other(
-        "the writer of a group of writes ended without an answer",
-    )))
 }
 
 impl Store for PgStore {
@@ -568,22 +511,15 @@ impl Store for PgStore {
     /// Concurrent reservations are committed in groups, one `INSERT` of up to 64 rows each,
     /// each answered once its group committed, as [`insert`](Store::insert) would have
     /// answered it alone (a key found taken is [`Inserted::Conflict`]); one that finds
-    /// nothing being written goes at once, alone. (`group.rs`, `PgStore::insert_group`.)
+    /// nothing being written goes at once, alone. (`idemkey_core::group`,
+    /// `PgStore::insert_group`.)
     async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
-        let store = self.clone();
-        let write = move |records| {
-            let store = store.clone();
-            async move { store.insert_group(records).await }
-        };
-        self.reservations
-            .submit(record.clone(), write)
-            .await
-            .unwrap_or_else(|| Err(unanswered()))
+        self.grouped.insert(self, record).await
     }
 
     /// Concurrent completions are committed in groups, one `UPDATE` of up to 64 rows each,
     /// each answered once its group committed, as [`complete`](Store::complete) would have
-    /// answered it alone. (`group.rs`, `PgStore::complete_group`.)
+    /// answered it alone. (`idemkey_core::group`, `PgStore::complete_group`.)
     async fn complete_autocommit(
         &self,
         id: &RecordId,
@@ -591,21 +527,13 @@ impl Store for PgStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let store = self.clone();
-        let write = move |group| {
-            let store = store.clone();
-            async move { store.complete_group(group).await }
-        };
         let completion = Completion {
             id: id.clone(),
             token,
             response: response.clone(),
             now,
         };
-        self.completions
-            .submit(completion, write)
-            .await
-            .unwrap_or_else(|| Err(unanswered()))
+        self.grouped.complete(self, completion).await
     }
 
     async fn insert(&self, conn: &mut PgConnection, r: &NewRecord) -> Result<Inserted, StoreError> {

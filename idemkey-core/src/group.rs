@@ -1,17 +1,25 @@
-//! Group commit: concurrent writes that commit on their own share one transaction.
+//! Group commit for the sqlx stores: concurrent external-mode writes that commit on their
+//! own share one statement.
 //!
-//! External mode makes two such writes per request (the reservation and the completion).
-//! Each alone is a transaction of one row, and at a few thousand requests a second
-//! PostgreSQL spends most of its time on what every transaction costs (a round trip, the
-//! commit record, waking the committer) rather than on the row. A [`Group`] queues the
-//! writes that arrive while earlier ones are being written, and the next writer takes all
-//! of them (up to [`MAX_GROUP`]) into one statement. Nobody is answered before the
-//! transaction that holds their row committed, so every answer is as durable as a write of
-//! its own. A write that finds nothing running is sent at once, alone, as before.
+//! External mode makes two such writes per request (the reservation,
+//! [`Store::insert_autocommit`], and the completion, [`Store::complete_autocommit`]). Each
+//! alone is a transaction of one row: PostgreSQL spends most of its time on what every
+//! commit costs (a round trip, the commit record, waking the committer), SQLite on handing
+//! the statement to its worker thread and back. A [`Group`] queues the writes that arrive
+//! while earlier ones are being written, and the next writer takes all of them (up to
+//! [`MAX_GROUP`]) into one statement. Nobody is answered before the statement that holds
+//! their row committed, so every answer is as durable as a write of its own. A write that
+//! finds nothing running is sent at once, alone, as before.
+//!
+//! A store implements [`GroupWriter`] (its two grouped statements) and keeps a
+//! [`GroupedWrites`]; [`plan`] and [`answer_each`] are the parts of a grouped statement
+//! that do not depend on its SQL: which rows go in it, in which order, and which writer gets
+//! which answer.
 //!
 //! The writers run on tasks of their own: a request that is dropped while its write is in a
 //! group does not cut short the others' transaction.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -20,12 +28,153 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use futures::FutureExt;
 use tokio::sync::oneshot;
 
+use crate::{Inserted, NewRecord, RecordId, StoreError, StoredResponse, Timestamp};
+
+#[cfg(doc)]
+use crate::Store;
+
 /// At most this many writes go in one statement.
-pub(crate) const MAX_GROUP: usize = 64;
+pub const MAX_GROUP: usize = 64;
 
 /// At most this many groups of one kind are written at the same time (each on a connection
 /// of its own): the writes that arrive meanwhile wait for the next group.
-pub(crate) const MAX_WRITING: usize = 2;
+pub const MAX_WRITING: usize = 2;
+
+/// A completion waiting for its group: [`Store::complete`]'s arguments.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// The record.
+    pub id: RecordId,
+    /// The owner's fencing token.
+    pub token: i64,
+    /// The outcome to store.
+    pub response: StoredResponse,
+    /// When it was written.
+    pub now: Timestamp,
+}
+
+/// A store's two grouped statements. Each answers every write of its group, in order, as
+/// the write alone would have been answered ([`answer_each`]).
+pub trait GroupWriter: Clone + Send + Sync + 'static {
+    /// Reservations, each as [`Store::insert`] alone would answer it, except that a key
+    /// found taken may be [`Inserted::Conflict`] (the protocol then reads the record).
+    fn insert_group(
+        &self,
+        records: Vec<NewRecord>,
+    ) -> impl Future<Output = Vec<Result<Inserted, StoreError>>> + Send;
+
+    /// Completions, each as [`Store::complete`] alone would answer it.
+    fn complete_group(
+        &self,
+        completions: Vec<Completion>,
+    ) -> impl Future<Output = Vec<Result<bool, StoreError>>> + Send;
+}
+
+/// A store's queues of external-mode writes: one for reservations, one for completions.
+#[derive(Debug, Default, Clone)]
+pub struct GroupedWrites {
+    reservations: Arc<Group<NewRecord, Result<Inserted, StoreError>>>,
+    completions: Arc<Group<Completion, Result<bool, StoreError>>>,
+}
+
+impl GroupedWrites {
+    /// [`Store::insert_autocommit`], grouped by `store`'s [`GroupWriter::insert_group`].
+    pub async fn insert<S: GroupWriter>(
+        &self,
+        store: &S,
+        record: &NewRecord,
+    ) -> Result<Inserted, StoreError> {
+        let store = store.clone();
+        let write = move |records| {
+            let store = store.clone();
+            async move { store.insert_group(records).await }
+        };
+        self.reservations
+            .submit(record.clone(), write)
+            .await
+            .unwrap_or_else(|| Err(unanswered()))
+    }
+
+    /// [`Store::complete_autocommit`], grouped by `store`'s [`GroupWriter::complete_group`].
+    pub async fn complete<S: GroupWriter>(
+        &self,
+        store: &S,
+        completion: Completion,
+    ) -> Result<bool, StoreError> {
+        let store = store.clone();
+        let write = move |completions| {
+            let store = store.clone();
+            async move { store.complete_group(completions).await }
+        };
+        self.completions
+            .submit(completion, write)
+            .await
+            .unwrap_or_else(|| Err(unanswered()))
+    }
+}
+
+/// A group's write ended without an answer (it panicked).
+fn unanswered() -> StoreError {
+    StoreError::Database(Box::new(std::io::Error::other(
+        "the writer of a group of writes ended without an answer",
+    )))
+}
+
+/// Which of `items` go into one grouped statement, and in which order: the first write of
+/// each record, in the order of the table's primary key, so that two groups never wait on
+/// each other's rows in opposite orders. Returns those rows and, for each item, whether it
+/// is among them; the others (a second write of the same record, such as a stale
+/// completion beside its owner's) are written alone after the group ([`answer_each`]).
+pub fn plan<T>(items: &[T], id: impl Fn(&T) -> &RecordId) -> (Vec<&T>, Vec<bool>) {
+    let key = |i: usize| {
+        let id = id(&items[i]);
+        (&id.tenant, &id.key_hash, &id.route)
+    };
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    order.sort_by(|&a, &b| key(a).cmp(&key(b)).then(a.cmp(&b)));
+    order.dedup_by(|&mut later, &mut first| key(later) == key(first));
+    let mut in_group = vec![false; items.len()];
+    for &i in &order {
+        in_group[i] = true;
+    }
+    (order.into_iter().map(|i| &items[i]).collect(), in_group)
+}
+
+/// The identities a grouped statement returned (`RETURNING tenant, key_hash, route`).
+pub fn returned(rows: Vec<(String, Vec<u8>, String)>) -> HashSet<RecordId> {
+    rows.into_iter()
+        .filter_map(|(tenant, key_hash, route)| {
+            Some(RecordId {
+                tenant,
+                key_hash: key_hash.try_into().ok()?,
+                route,
+            })
+        })
+        .collect()
+}
+
+/// Each item's answer, in order: `from_group`'s for an item the grouped statement wrote
+/// (`in_group`, from [`plan`]), unless it has none (the statement failed and it cannot
+/// tell that item's fate), and otherwise `alone`'s, written after the group, one at a time.
+pub async fn answer_each<'a, T, R, F>(
+    items: &'a [T],
+    in_group: &[bool],
+    from_group: impl Fn(&'a T) -> Option<R>,
+    alone: impl Fn(&'a T) -> F,
+) -> Vec<R>
+where
+    F: Future<Output = R>,
+{
+    let mut answers = Vec::with_capacity(items.len());
+    for (item, &in_group) in items.iter().zip(in_group) {
+        let answer = match in_group.then(|| from_group(item)).flatten() {
+            Some(answer) => answer,
+            None => alone(item).await,
+        };
+        answers.push(answer);
+    }
+    answers
+}
 
 /// Writes of one kind (`T`, answered with `R`), grouped.
 pub(crate) struct Group<T, R> {
@@ -176,6 +325,28 @@ mod tests {
         );
         assert!(writing.lock().unwrap().1 <= MAX_WRITING);
         assert_eq!(group.lock().writing, 0, "the writers stopped");
+    }
+
+    /// A plan keeps the first write of each record, in key order, and leaves the others to
+    /// be written alone.
+    #[test]
+    fn a_plan_orders_by_key_and_keeps_the_first_write_of_each_record() {
+        let id = |key: &str| RecordId {
+            tenant: "t1".into(),
+            key_hash: [key.as_bytes()[0]; 32],
+            route: "POST /v1/transfers".into(),
+        };
+        let items = [
+            (id("c"), 0),
+            (id("a"), 1),
+            (id("c"), 2),
+            (id("b"), 3),
+            (id("a"), 4),
+        ];
+        let (rows, in_group) = plan(&items, |(id, _)| id);
+        let order: Vec<i32> = rows.iter().map(|(_, n)| *n).collect();
+        assert_eq!(order, [1, 3, 0]);
+        assert_eq!(in_group, [true, true, false, true, false]);
     }
 
     /// A write that panics answers its own group `None`, and the writes queued behind it
