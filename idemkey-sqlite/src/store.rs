@@ -3,15 +3,17 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
     AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
     ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse,
     Timestamp, bind_completion, classify_error,
 };
+use sqlx::Sqlite;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
-    SqliteSynchronous,
+    SqliteArguments, SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool,
+    SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::{AssertSqlSafe, SqlSafeStr};
 
@@ -26,6 +28,9 @@ use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 pub struct SqliteStore {
     pool: SqlitePool,
     writer: Arc<Writer>,
+    /// External mode's reservations and completions, written in groups, each group in one
+    /// turn of the writer (`idemkey_core::group`).
+    grouped: GroupedWrites,
 }
 
 impl SqliteStore {
@@ -42,6 +47,7 @@ impl SqliteStore {
         Self {
             pool,
             writer: Arc::new(Writer::new(None, false)),
+            grouped: GroupedWrites::default(),
         }
     }
 
@@ -78,6 +84,7 @@ impl SqliteStore {
         Ok(Self {
             pool,
             writer: Arc::new(Writer::new(Some(busy_timeout), true)),
+            grouped: GroupedWrites::default(),
         })
     }
 
@@ -332,6 +339,154 @@ fn is_fenced(e: &sqlx::Error) -> bool {
     }
 }
 
+/// `values` rows of `width` numbered parameters each: `(?1, ?2), (?3, ?4)` for 2 and 2.
+fn value_rows(values: usize, width: usize) -> String {
+    let mut sql = String::with_capacity(values * width * 6);
+    for row in 0..values {
+        sql.push_str(if row == 0 { "(" } else { ", (" });
+        for column in 1..=width {
+            if column > 1 {
+                sql.push_str(", ");
+            }
+            sql.push('?');
+            sql.push_str(&(row * width + column).to_string());
+        }
+        sql.push(')');
+    }
+    sql
+}
+
+/// A grouped statement that SQLite refused as busy wrote nothing (another process held
+/// the write lock past the busy time-out): each of its writers gets that answer, as it
+/// would alone, rather than each waiting again in turn.
+fn busy_for_each(e: &StoreError, writes: usize) -> Option<StoreError> {
+    let StoreError::Busy(source) = e else {
+        return None;
+    };
+    Some(StoreError::Busy(Box::new(std::io::Error::other(format!(
+        "a group of {writes} writes: {source}"
+    )))))
+}
+
+impl SqliteStore {
+    /// One reservation, alone in the writer's turn.
+    async fn insert_alone(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
+        let mut conn = self.acquire_for_write().await?;
+        self.insert(&mut conn, record).await
+    }
+
+    /// One completion, alone in the writer's turn.
+    async fn complete_alone(&self, c: &Completion) -> Result<bool, StoreError> {
+        let mut conn = self.acquire_for_write().await?;
+        self.complete(&mut conn, &c.id, c.token, &c.response, c.now)
+            .await
+    }
+
+    /// `statement` on the writer, in one turn (autocommit: one statement, one transaction).
+    async fn write_group<'q>(
+        &self,
+        statement: sqlx::query::QueryAs<'q, Sqlite, (String, Vec<u8>, String), SqliteArguments>,
+    ) -> Result<std::collections::HashSet<RecordId>, StoreError> {
+        let mut conn = self.acquire_for_write().await?;
+        let rows = statement.fetch_all(&mut *conn).await.map_err(error)?;
+        Ok(group::returned(rows))
+    }
+}
+
+impl GroupWriter for SqliteStore {
+    /// One multi-row `INSERT … ON CONFLICT DO NOTHING RETURNING` in one turn of the writer
+    /// (one hand-off to sqlx's worker thread for the group), answered
+    /// [`Inserted::Owned`] for the rows it inserted and [`Inserted::Conflict`] for the keys
+    /// it found taken (the protocol reads those records). Busy: each gets busy. Any other
+    /// failure wrote nothing (one statement is one transaction here): each is made again
+    /// alone.
+    async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
+        if let [record] = &records[..] {
+            return vec![self.insert_alone(record).await];
+        }
+        let (rows, in_group) = group::plan(&records, |r| &r.id);
+        let sql = format!(
+            "INSERT INTO idemkey_records
+                 (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
+                  lease_expires_at, created_at, updated_at, expires_at, sealed_key,
+                  fingerprint_members)
+             VALUES {}
+             ON CONFLICT (tenant, key_hash, route) DO NOTHING
+             RETURNING tenant, key_hash, route",
+            value_rows(rows.len(), 13)
+        );
+        let mut statement = sqlx::query_as(AssertSqlSafe(sql));
+        for r in &rows {
+            statement = statement
+                .bind(&r.id.tenant)
+                .bind(&r.id.key_hash[..])
+                .bind(&r.id.route)
+                .bind(&r.fingerprint.digest[..])
+                .bind(r.fingerprint.parts.to_bytes().to_vec())
+                .bind(r.state.as_str())
+                .bind(1_i64)
+                .bind(r.lease_expires_at.map(Timestamp::as_millis))
+                .bind(r.now.as_millis())
+                .bind(r.now.as_millis())
+                .bind(r.expires_at.as_millis())
+                .bind(r.sealed_key.as_deref())
+                .bind(r.fingerprint.members.as_ref().map(Members::to_bytes));
+        }
+        let inserted = self.write_group(statement).await;
+        let from_group = |record: &NewRecord| match &inserted {
+            Ok(inserted) => Some(Ok(if inserted.contains(&record.id) {
+                Inserted::Owned
+            } else {
+                Inserted::Conflict
+            })),
+            Err(e) => busy_for_each(e, rows.len()).map(Err),
+        };
+        group::answer_each(&records, &in_group, from_group, |r| self.insert_alone(r)).await
+    }
+
+    /// One `UPDATE … FROM (VALUES …) RETURNING` in one turn of the writer, each answered as
+    /// [`complete`](Store::complete) would be: `true` where the row still carried the
+    /// owner's token. Busy: each gets busy; any other failure wrote nothing: each is
+    /// written again alone.
+    async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
+        if let [c] = &group[..] {
+            return vec![self.complete_alone(c).await];
+        }
+        let (rows, in_group) = group::plan(&group, |c| &c.id);
+        // The `VALUES` columns are `column1` … `column8`: tenant, key_hash, route, token,
+        // status, headers, body, now.
+        let sql = format!(
+            "UPDATE idemkey_records
+                SET state = 'completed', token = token + 1, lease_expires_at = NULL,
+                    response_status = c.column5, response_headers = c.column6,
+                    response_body = c.column7, updated_at = c.column8
+               FROM (VALUES {}) AS c
+              WHERE tenant = c.column1 AND key_hash = c.column2 AND route = c.column3
+                AND token = c.column4
+             RETURNING tenant, key_hash, route",
+            value_rows(rows.len(), 8)
+        );
+        let mut statement = sqlx::query_as(AssertSqlSafe(sql));
+        for c in &rows {
+            statement = statement
+                .bind(&c.id.tenant)
+                .bind(&c.id.key_hash[..])
+                .bind(&c.id.route)
+                .bind(c.token)
+                .bind(i32::from(c.response.status))
+                .bind(c.response.encode_headers())
+                .bind(&c.response.body[..])
+                .bind(c.now.as_millis());
+        }
+        let completed = self.write_group(statement).await;
+        let from_group = |c: &Completion| match &completed {
+            Ok(completed) => Some(Ok(completed.contains(&c.id))),
+            Err(e) => busy_for_each(e, rows.len()).map(Err),
+        };
+        group::answer_each(&group, &in_group, from_group, |c| self.complete_alone(c)).await
+    }
+}
+
 impl Store for SqliteStore {
     type Connection = SqliteConnection;
     type Transaction = SqliteTransaction;
@@ -432,6 +587,34 @@ impl Store for SqliteStore {
     async fn acquire_for_write(&self) -> Result<Self::PooledConnection, StoreError> {
         let turn = self.writer.turn(&self.pool).await?;
         Ok(SqlitePooledConnection::writer(turn))
+    }
+
+    /// Concurrent reservations are written in groups, one multi-row `INSERT` in one turn of
+    /// the writer each, each answered once its group committed, as [`insert`](Store::insert)
+    /// would have answered it alone (a key found taken is [`Inserted::Conflict`]); one that
+    /// finds nothing being written goes at once, alone. (`idemkey_core::group`,
+    /// `SqliteStore::insert_group`.)
+    async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
+        self.grouped.insert(self, record).await
+    }
+
+    /// Concurrent completions are written in groups, one `UPDATE` in one turn of the writer
+    /// each, each answered once its group committed, as [`complete`](Store::complete) would
+    /// have answered it alone. (`idemkey_core::group`, `SqliteStore::complete_group`.)
+    async fn complete_autocommit(
+        &self,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let completion = Completion {
+            id: id.clone(),
+            token,
+            response: response.clone(),
+            now,
+        };
+        self.grouped.complete(self, completion).await
     }
 
     async fn insert(

@@ -279,3 +279,69 @@ async fn external_writes_queue_with_transactions() {
         assert_eq!(record.state, idemkey_core::RecordState::Completed);
     }
 }
+
+/// A group of external-mode writes is one statement in one turn of the writer. When another
+/// process holds SQLite's write lock past the busy time-out, that statement wrote nothing
+/// and every writer of the group is answered busy by it (not made to wait again, one after
+/// the other); once the lock is free, the same group inserts every row, and a second group
+/// of the same keys finds them taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_of_reservations_answers_each_writer() {
+    use idemkey_core::group::GroupWriter;
+    use idemkey_core::{Inserted, NewRecord, RecordState};
+    use sqlx::Connection;
+
+    let (dir, store) = store_with_busy_timeout(Duration::from_millis(50)).await;
+    let new_record = |key: &str| {
+        let claim = claim(key);
+        NewRecord {
+            id: claim.id,
+            fingerprint: claim.fingerprint,
+            state: RecordState::Executing,
+            lease_expires_at: Some(claim.now.plus(Duration::from_secs(30))),
+            now: claim.now,
+            expires_at: claim.now.plus(claim.retention),
+            sealed_key: None,
+        }
+    };
+    let group = || vec![new_record("g-1"), new_record("g-2"), new_record("g-3")];
+
+    // Another process's writer, outside the store's queue.
+    let url = format!("sqlite:{}", dir.path().join("writer.db").display());
+    let mut other = sqlx::SqliteConnection::connect(&url)
+        .await
+        .expect("connect");
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut other)
+        .await
+        .expect("take the write lock");
+    let answers = store.insert_group(group()).await;
+    assert_eq!(answers.len(), 3);
+    for answer in &answers {
+        let Err(StoreError::Busy(source)) = answer else {
+            panic!("busy: {answers:?}");
+        };
+        assert!(
+            source.to_string().contains("a group of 3 writes"),
+            "answered by the group's statement: {source}"
+        );
+    }
+    sqlx::query("ROLLBACK")
+        .execute(&mut other)
+        .await
+        .expect("free the write lock");
+    for r in group() {
+        assert!(record(&store, &r.id).await.is_none(), "nothing written");
+    }
+
+    let answers = store.insert_group(group()).await;
+    assert!(
+        answers.iter().all(|a| matches!(a, Ok(Inserted::Owned))),
+        "{answers:?}"
+    );
+    let again = store.insert_group(group()).await;
+    assert!(
+        again.iter().all(|a| matches!(a, Ok(Inserted::Conflict))),
+        "{again:?}"
+    );
+}
