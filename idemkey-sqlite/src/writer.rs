@@ -8,7 +8,9 @@
 //! fair (first come, first served) queue in memory, and hold their turn until they commit
 //! or roll back. External mode's writes that commit on their own (the reservation, the
 //! lease's writes) take the same turn, on the same connection
-//! ([`acquire_for_write`](idemkey_core::Store::acquire_for_write)). SQLite's busy handler is
+//! ([`acquire_for_write`](idemkey_core::Store::acquire_for_write)); reservations and
+//! completions that arrive together share one turn and one statement
+//! (`idemkey_core::group`). SQLite's busy handler is
 //! left with the writers this queue does not see (the application's autocommit statements
 //! on [`acquire`](idemkey_core::Store::acquire)d connections, other processes).
 //!
