@@ -36,12 +36,6 @@ use crate::Store;
 /// At most this many writes go in one statement.
 pub const MAX_GROUP: usize = 64;
 
-/// At most this many groups of one kind are written at the same time (each on a connection
-/// of its own): the writes that arrive meanwhile wait for the next group. One: the
-/// gateway's fresh requests went 9–21 % faster on both stores than with two, as the groups
-/// grew (docs/benchmarks.md).
-pub const MAX_WRITING: usize = 1;
-
 /// A completion waiting for its group: [`Store::complete`]'s arguments.
 #[derive(Debug, Clone)]
 pub struct Completion {
@@ -73,13 +67,24 @@ pub trait GroupWriter: Clone + Send + Sync + 'static {
 }
 
 /// A store's queues of external-mode writes: one for reservations, one for completions.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub struct GroupedWrites {
     reservations: Arc<Group<NewRecord, Result<Inserted, StoreError>>>,
     completions: Arc<Group<Completion, Result<bool, StoreError>>>,
 }
 
 impl GroupedWrites {
+    /// Queues whose groups of each kind are written at most `writers` at a time (at least
+    /// one); the writes that arrive meanwhile wait for the next group. A store whose writes
+    /// run side by side (PostgreSQL, each group on a connection of its own) gains from two;
+    /// one whose writes take turns anyway (SQLite's one writer) only splits its groups.
+    pub fn new(writers: usize) -> Self {
+        Self {
+            reservations: Arc::new(Group::new(writers)),
+            completions: Arc::new(Group::new(writers)),
+        }
+    }
+
     /// [`Store::insert_autocommit`], grouped by `store`'s [`GroupWriter::insert_group`].
     pub async fn insert<S: GroupWriter>(
         &self,
@@ -181,6 +186,8 @@ where
 /// Writes of one kind (`T`, answered with `R`), grouped.
 pub(crate) struct Group<T, R> {
     queue: Mutex<Queue<T, R>>,
+    /// At most this many writer tasks at a time.
+    writers: usize,
 }
 
 struct Queue<T, R> {
@@ -188,18 +195,18 @@ struct Queue<T, R> {
     writing: usize,
 }
 
-impl<T, R> Default for Group<T, R> {
-    fn default() -> Self {
+impl<T, R> Group<T, R> {
+    /// A group whose writes are written by at most `writers` writer tasks at a time.
+    fn new(writers: usize) -> Self {
         Self {
             queue: Mutex::new(Queue {
                 waiting: Vec::new(),
                 writing: 0,
             }),
+            writers: writers.max(1),
         }
     }
-}
 
-impl<T, R> Group<T, R> {
     fn lock(&self) -> MutexGuard<'_, Queue<T, R>> {
         // The queue is consistent between statements: a panic elsewhere leaves it usable.
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
@@ -225,7 +232,7 @@ impl<T: Send + 'static, R: Send + 'static> Group<T, R> {
         let start = {
             let mut queue = self.lock();
             queue.waiting.push((item, answer));
-            let start = queue.writing < MAX_WRITING;
+            let start = queue.writing < self.writers;
             if start {
                 queue.writing += 1;
             }
@@ -288,11 +295,11 @@ mod tests {
     use super::*;
 
     /// 500 concurrent writes: each answered with its own result, in groups of at most
-    /// `MAX_GROUP`, with no more than `MAX_WRITING` groups written at once, and none left
+    /// `MAX_GROUP`, with no more than two groups written at once, and none left
     /// waiting when the writers stop (the test would hang).
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn every_write_is_answered_with_its_own_result() {
-        let group: Arc<Group<u32, u32>> = Arc::default();
+        let group: Arc<Group<u32, u32>> = Arc::new(Group::new(2));
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let writing = Arc::new(Mutex::new((0usize, 0usize)));
         let submits = (0..500u32).map(|i| {
@@ -325,7 +332,7 @@ mod tests {
             sizes.iter().all(|&n| (1..=MAX_GROUP).contains(&n)),
             "{sizes:?}"
         );
-        assert!(writing.lock().unwrap().1 <= MAX_WRITING);
+        assert!(writing.lock().unwrap().1 <= 2);
         assert_eq!(group.lock().writing, 0, "the writers stopped");
     }
 
@@ -356,8 +363,8 @@ mod tests {
     /// the others wait, and all of them are answered.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_write_that_panics_answers_none_and_strands_nobody() {
-        let writers = u32::try_from(MAX_WRITING).expect("a few writers");
-        let group: Arc<Group<u32, u32>> = Arc::default();
+        let writers = 2;
+        let group: Arc<Group<u32, u32>> = Arc::new(Group::new(2));
         let release = Arc::new(tokio::sync::Notify::new());
         let (started, mut writing) = tokio::sync::mpsc::unbounded_channel();
         let write = {

