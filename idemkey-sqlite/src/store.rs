@@ -21,7 +21,7 @@ use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 
 /// External mode's grouped writes: one group of each kind at a time. The writer takes them
 /// in turns anyway, and a second group only splits the waiting writes (the gateway's fresh
-/// requests were 9–21 % slower with two).
+/// requests were 8–21 % slower with two, in both benchmarks).
 const GROUP_WRITERS: usize = 1;
 
 /// An idempotency store in a SQLite database.
