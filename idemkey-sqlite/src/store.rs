@@ -344,21 +344,13 @@ fn is_fenced(e: &sqlx::Error) -> bool {
     }
 }
 
-/// `values` rows of `width` numbered parameters each: `(?1, ?2), (?3, ?4)` for 2 and 2.
+/// `values` rows of `width` parameters each: `(?, ?), (?, ?)` for 2 and 2, bound in order.
+/// Anonymous: sqlx asks SQLite the name of every parameter it binds, and SQLite finds a
+/// numbered one by walking the statement's list of names, which a group's hundreds of
+/// `?NNN` made quadratic (2.9 % of the gateway's CPU in a profile).
 fn value_rows(values: usize, width: usize) -> String {
-    let mut sql = String::with_capacity(values * width * 6);
-    for row in 0..values {
-        sql.push_str(if row == 0 { "(" } else { ", (" });
-        for column in 1..=width {
-            if column > 1 {
-                sql.push_str(", ");
-            }
-            sql.push('?');
-            sql.push_str(&(row * width + column).to_string());
-        }
-        sql.push(')');
-    }
-    sql
+    let row = format!("({})", vec!["?"; width].join(", "));
+    vec![row; values].join(", ")
 }
 
 /// A grouped statement that SQLite refused as busy wrote nothing (another process held
