@@ -5,7 +5,7 @@
 //! [`Store::insert_autocommit`], and the completion, [`Store::complete_autocommit`]). Each
 //! alone is a transaction of one row: PostgreSQL spends most of its time on what every
 //! commit costs (a round trip, the commit record, waking the committer), SQLite on handing
-//! the statement to its worker thread and back. A [`Group`] queues the writes that arrive
+//! the statement to its worker thread and back. A [`GroupedWrites`] queues the writes that arrive
 //! while earlier ones are being written, and the next writer takes all of them (up to
 //! [`MAX_GROUP`]) into one statement. Nobody is answered before the statement that holds
 //! their row committed, so every answer is as durable as a write of its own. A write that
