@@ -106,8 +106,17 @@ impl GroupedWrites {
     pub async fn complete<S: GroupWriter>(
         &self,
         store: &S,
-        completion: Completion,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
     ) -> Result<bool, StoreError> {
+        let completion = Completion {
+            id: id.clone(),
+            token,
+            response: response.clone(),
+            now,
+        };
         let store = store.clone();
         let write = move |completions| {
             let store = store.clone();

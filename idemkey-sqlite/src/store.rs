@@ -605,13 +605,7 @@ impl Store for SqliteStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let completion = Completion {
-            id: id.clone(),
-            token,
-            response: response.clone(),
-            now,
-        };
-        self.grouped.complete(self, completion).await
+        self.grouped.complete(self, id, token, response, now).await
     }
 
     async fn insert(
