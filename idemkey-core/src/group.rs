@@ -28,16 +28,13 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use futures::FutureExt;
 use tokio::sync::oneshot;
 
-use crate::{Inserted, NewRecord, RecordId, StoreError, StoredResponse, Timestamp};
-
-#[cfg(doc)]
-use crate::Store;
+use crate::{Inserted, NewRecord, RecordId, Store, StoreError, StoredResponse, Timestamp};
 
 /// At most this many writes go in one statement.
 pub const MAX_GROUP: usize = 64;
 
 /// A completion waiting for its group: [`Store::complete`]'s arguments.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Completion {
     /// The record.
     pub id: RecordId,
@@ -49,9 +46,35 @@ pub struct Completion {
     pub now: Timestamp,
 }
 
-/// A store's two grouped statements. Each answers every write of its group, in order, as
-/// the write alone would have been answered ([`answer_each`]).
-pub trait GroupWriter: Clone + Send + Sync + 'static {
+/// A store's two grouped statements. Each answers every write of its group (two or more),
+/// in order, as the write alone would have been answered ([`answer_each`]); a group of one
+/// is written alone.
+pub trait GroupWriter: Store {
+    /// One reservation, alone: [`Store::insert`] in the writer's turn
+    /// ([`Store::acquire_for_write`]), what [`Store::insert_autocommit`] does by default.
+    fn insert_alone(
+        &self,
+        record: &NewRecord,
+    ) -> impl Future<Output = Result<Inserted, StoreError>> + Send {
+        async move {
+            let mut conn = self.acquire_for_write().await?;
+            self.insert(&mut conn, record).await
+        }
+    }
+
+    /// One completion, alone: [`Store::complete`] in the writer's turn, what
+    /// [`Store::complete_autocommit`] does by default.
+    fn complete_alone(
+        &self,
+        c: &Completion,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        async move {
+            let mut conn = self.acquire_for_write().await?;
+            self.complete(&mut conn, &c.id, c.token, &c.response, c.now)
+                .await
+        }
+    }
+
     /// Reservations, each as [`Store::insert`] alone would answer it, except that a key
     /// found taken may be [`Inserted::Conflict`] (the protocol then reads the record).
     fn insert_group(
@@ -92,9 +115,14 @@ impl GroupedWrites {
         record: &NewRecord,
     ) -> Result<Inserted, StoreError> {
         let store = store.clone();
-        let write = move |records| {
+        let write = move |records: Vec<NewRecord>| {
             let store = store.clone();
-            async move { store.insert_group(records).await }
+            async move {
+                match &records[..] {
+                    [record] => vec![store.insert_alone(record).await],
+                    _ => store.insert_group(records).await,
+                }
+            }
         };
         self.reservations
             .submit(record.clone(), write)
@@ -118,9 +146,14 @@ impl GroupedWrites {
             now,
         };
         let store = store.clone();
-        let write = move |completions| {
+        let write = move |completions: Vec<Completion>| {
             let store = store.clone();
-            async move { store.complete_group(completions).await }
+            async move {
+                match &completions[..] {
+                    [c] => vec![store.complete_alone(c).await],
+                    _ => store.complete_group(completions).await,
+                }
+            }
         };
         self.completions
             .submit(completion, write)

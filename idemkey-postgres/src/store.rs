@@ -240,21 +240,6 @@ fn column<'a, T, U>(rows: &[&'a T], f: impl Fn(&'a T) -> U) -> Vec<U> {
     rows.iter().map(|&row| f(row)).collect()
 }
 
-impl PgStore {
-    /// One reservation, alone on a pooled connection.
-    async fn insert_alone(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
-        let mut conn = self.acquire().await?;
-        self.insert(&mut conn, record).await
-    }
-
-    /// One completion, alone on a pooled connection.
-    async fn complete_alone(&self, c: &Completion) -> Result<bool, StoreError> {
-        let mut conn = self.acquire().await?;
-        self.complete(&mut conn, &c.id, c.token, &c.response, c.now)
-            .await
-    }
-}
-
 impl GroupWriter for PgStore {
     /// One `INSERT` of every row (autocommit), answered [`Inserted::Owned`] for the rows it
     /// inserted and [`Inserted::Conflict`] for the keys it found taken (the protocol reads
@@ -263,9 +248,6 @@ impl GroupWriter for PgStore {
     /// reservation that finds its own row is answered as any claim that finds a record in
     /// flight).
     async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
-        if let [record] = &records[..] {
-            return vec![self.insert_alone(record).await];
-        }
         let (rows, in_group) = group::plan(&records, |r| &r.id);
         let inserted = sqlx::query_as::<_, (String, Vec<u8>, String)>(
             "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
@@ -318,9 +300,6 @@ impl GroupWriter for PgStore {
     /// connection was lost, the group may or may not have committed, and each gets that
     /// error, as a completion alone would.
     async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
-        if let [c] = &group[..] {
-            return vec![self.complete_alone(c).await];
-        }
         let (rows, in_group) = group::plan(&group, |c| &c.id);
         let completed = sqlx::query_as::<_, (String, Vec<u8>, String)>(
             "UPDATE idemkey_records AS r

@@ -1,4 +1,4 @@
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -366,24 +366,11 @@ fn busy_for_each(e: &StoreError, writes: usize) -> Option<StoreError> {
 }
 
 impl SqliteStore {
-    /// One reservation, alone in the writer's turn.
-    async fn insert_alone(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
-        let mut conn = self.acquire_for_write().await?;
-        self.insert(&mut conn, record).await
-    }
-
-    /// One completion, alone in the writer's turn.
-    async fn complete_alone(&self, c: &Completion) -> Result<bool, StoreError> {
-        let mut conn = self.acquire_for_write().await?;
-        self.complete(&mut conn, &c.id, c.token, &c.response, c.now)
-            .await
-    }
-
     /// `statement` on the writer, in one turn (autocommit: one statement, one transaction).
     async fn write_group<'q>(
         &self,
         statement: sqlx::query::QueryAs<'q, Sqlite, (String, Vec<u8>, String), SqliteArguments>,
-    ) -> Result<std::collections::HashSet<RecordId>, StoreError> {
+    ) -> Result<HashSet<RecordId>, StoreError> {
         let mut conn = self.acquire_for_write().await?;
         let rows = statement.fetch_all(&mut *conn).await.map_err(error)?;
         Ok(group::returned(rows))
@@ -398,9 +385,6 @@ impl GroupWriter for SqliteStore {
     /// failure wrote nothing (one statement is one transaction here): each is made again
     /// alone.
     async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
-        if let [record] = &records[..] {
-            return vec![self.insert_alone(record).await];
-        }
         let (rows, in_group) = group::plan(&records, |r| &r.id);
         let sql = format!(
             "INSERT INTO idemkey_records
@@ -446,9 +430,6 @@ impl GroupWriter for SqliteStore {
     /// owner's token. Busy: each gets busy; any other failure wrote nothing: each is
     /// written again alone.
     async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
-        if let [c] = &group[..] {
-            return vec![self.complete_alone(c).await];
-        }
         let (rows, in_group) = group::plan(&group, |c| &c.id);
         // The `VALUES` columns are `column1` … `column8`: tenant, key_hash, route, token,
         // status, headers, body, now.
