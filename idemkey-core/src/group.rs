@@ -56,10 +56,7 @@ pub trait GroupWriter: Store {
         &self,
         record: &NewRecord,
     ) -> impl Future<Output = Result<Inserted, StoreError>> + Send {
-        async move {
-            let mut conn = self.acquire_for_write().await?;
-            self.insert(&mut conn, record).await
-        }
+        crate::store::insert_alone(self, record)
     }
 
     /// One completion, alone: [`Store::complete`] in the writer's turn, what
@@ -68,11 +65,7 @@ pub trait GroupWriter: Store {
         &self,
         c: &Completion,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        async move {
-            let mut conn = self.acquire_for_write().await?;
-            self.complete(&mut conn, &c.id, c.token, &c.response, c.now)
-                .await
-        }
+        crate::store::complete_alone(self, &c.id, c.token, &c.response, c.now)
     }
 
     /// Reservations, each as [`Store::insert`] alone would answer it, except that a key

@@ -157,10 +157,7 @@ pub trait Store: Clone + Send + Sync + 'static {
         &self,
         record: &NewRecord,
     ) -> impl Future<Output = Result<Inserted, StoreError>> + Send {
-        async move {
-            let mut conn = self.acquire_for_write().await?;
-            self.insert(&mut conn, record).await
-        }
+        insert_alone(self, record)
     }
 
     /// External mode's completion: [`complete`](Self::complete) on a connection of its own,
@@ -174,10 +171,7 @@ pub trait Store: Clone + Send + Sync + 'static {
         response: &StoredResponse,
         now: Timestamp,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        async move {
-            let mut conn = self.acquire_for_write().await?;
-            self.complete(&mut conn, id, token, response, now).await
-        }
+        complete_alone(self, id, token, response, now)
     }
 
     /// The claim: inserts `record` unless the identity exists; when it exists, returns the
@@ -364,4 +358,26 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn eviction_notices(&self) -> Option<EvictionNotices> {
         None
     }
+}
+
+/// One reservation alone: [`Store::insert`] in the writer's turn
+/// ([`Store::acquire_for_write`]), committed by itself.
+pub(crate) async fn insert_alone<S: Store>(
+    store: &S,
+    record: &NewRecord,
+) -> Result<Inserted, StoreError> {
+    let mut conn = store.acquire_for_write().await?;
+    store.insert(&mut conn, record).await
+}
+
+/// One completion alone: [`Store::complete`] in the writer's turn, committed by itself.
+pub(crate) async fn complete_alone<S: Store>(
+    store: &S,
+    id: &RecordId,
+    token: i64,
+    response: &StoredResponse,
+    now: Timestamp,
+) -> Result<bool, StoreError> {
+    let mut conn = store.acquire_for_write().await?;
+    store.complete(&mut conn, id, token, response, now).await
 }
