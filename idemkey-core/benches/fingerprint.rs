@@ -1,4 +1,5 @@
-//! Benchmarks of [`fingerprint()`] on JSON bodies of 1 KiB and 64 KiB.
+//! Benchmarks of [`fingerprint()`] on the payment body `idemkey bench` sends and on JSON
+//! bodies of 1 KiB and 64 KiB.
 //!
 //! `cargo bench -p idemkey-core --bench fingerprint`
 
@@ -40,8 +41,13 @@ fn bench_fingerprint(c: &mut Criterion) {
     let fields = FingerprintSpec {
         fields: Some(vec!["/currency".into(), "/customer/id".into()]),
     };
-    for (label, size) in [("1KiB", 1024), ("64KiB", 64 * 1024)] {
-        let body = json_body(size);
+    let payment =
+        br#"{"amount":1042,"currency":"EUR","customer":"bench-1042","description":"load test"}"#;
+    for (label, body) in [
+        ("payment", payment.to_vec()),
+        ("1KiB", json_body(1024)),
+        ("64KiB", json_body(64 * 1024)),
+    ] {
         group.throughput(Throughput::Bytes(body.len() as u64));
         let req = RequestParts {
             method: "POST",
