@@ -28,12 +28,10 @@
 //! the record keeping any name or value in clear.
 
 use std::borrow::Cow;
-use std::fmt;
 
-use serde::Deserializer as _;
-use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
-use serde_json::Value;
 use sha2::{Digest, Sha256};
+
+use crate::jcs::{self, Node};
 
 /// Version of the canonical encoding; part of every digest.
 pub const FINGERPRINT_VERSION: u8 = 1;
@@ -150,19 +148,48 @@ impl Members {
         })
     }
 
-    fn push(&mut self, pointer: &str, node: &[u8], container: bool) -> bool {
+    /// Adds the digests of the value at `pointer` (`None`: a selected pointer that
+    /// resolves to nothing); `false` past [`MAX_MEMBERS`].
+    fn push(&mut self, pointer: &str, node: Option<Node<'_>>) -> bool {
         if self.digests.len() == MAX_MEMBERS {
             return false;
         }
+        let lp = (pointer.len() as u64).to_be_bytes();
         let mut p = Sha256::new();
         p.update(b"p");
-        p.update((pointer.len() as u64).to_be_bytes());
+        p.update(lp);
         p.update(pointer.as_bytes());
         let mut v = Sha256::new();
         v.update(b"v");
-        v.update((pointer.len() as u64).to_be_bytes());
+        v.update(lp);
         v.update(pointer.as_bytes());
-        v.update(node);
+        let u64be = |n: usize| (n as u64).to_be_bytes();
+        let container = match node {
+            None => {
+                v.update(b"N");
+                false
+            }
+            Some(Node::Object(names)) => {
+                v.update(b"O");
+                v.update(u64be(names.len()));
+                for name in names {
+                    v.update(u64be(name.len()));
+                    v.update(name.as_bytes());
+                }
+                true
+            }
+            Some(Node::Array(len)) => {
+                v.update(b"A");
+                v.update(u64be(len));
+                true
+            }
+            Some(Node::Scalar(canonical)) => {
+                v.update(b"S");
+                v.update(u64be(canonical.len()));
+                v.update(canonical);
+                false
+            }
+        };
         let mut d = MemberDigest {
             pointer: [0; 8],
             value: [0; 8],
@@ -176,87 +203,19 @@ impl Members {
         });
         true
     }
+}
 
-    /// Adds `value` at `pointer` and, depth first in canonical order, its members; `false`
-    /// past [`MAX_MEMBERS`] (or if a scalar cannot be canonicalized).
-    fn walk(&mut self, value: &Value, pointer: &mut String) -> bool {
-        match value {
-            Value::Object(map) => {
-                let mut names: Vec<&String> = map.keys().collect();
-                names.sort_by(|a, b| a.encode_utf16().cmp(b.encode_utf16()));
-                let mut node = vec![b'O'];
-                node.extend_from_slice(&(names.len() as u64).to_be_bytes());
-                for name in &names {
-                    node.extend_from_slice(&(name.len() as u64).to_be_bytes());
-                    node.extend_from_slice(name.as_bytes());
-                }
-                if !self.push(pointer, &node, true) {
-                    return false;
-                }
-                for name in names {
-                    let len = pointer.len();
-                    pointer.push('/');
-                    pointer.push_str(&name.replace('~', "~0").replace('/', "~1"));
-                    let ok = self.walk(&map[name.as_str()], pointer);
-                    pointer.truncate(len);
-                    if !ok {
-                        return false;
-                    }
-                }
-                true
-            }
-            Value::Array(items) => {
-                let mut node = vec![b'A'];
-                node.extend_from_slice(&(items.len() as u64).to_be_bytes());
-                if !self.push(pointer, &node, true) {
-                    return false;
-                }
-                for (i, item) in items.iter().enumerate() {
-                    let len = pointer.len();
-                    pointer.push('/');
-                    pointer.push_str(&i.to_string());
-                    let ok = self.walk(item, pointer);
-                    pointer.truncate(len);
-                    if !ok {
-                        return false;
-                    }
-                }
-                true
-            }
-            scalar => {
-                let Ok(canonical) = serde_json_canonicalizer::to_vec(scalar) else {
-                    return false;
-                };
-                let mut node = vec![b'S'];
-                node.extend_from_slice(&(canonical.len() as u64).to_be_bytes());
-                node.extend_from_slice(&canonical);
-                self.push(pointer, &node, false)
-            }
-        }
-    }
+/// Collects the member digests of a JSON body as its canonical form is written: `None`
+/// once past [`MAX_MEMBERS`].
+struct Collect(Option<Members>);
 
-    /// The members of `doc`: the whole document, or only the selected `pointers`.
-    fn of(doc: &Value, pointers: Option<&[&str]>) -> Option<Self> {
-        let mut members = Self::default();
-        match pointers {
-            None => {
-                if !members.walk(doc, &mut String::new()) {
-                    return None;
-                }
-            }
-            Some(pointers) => {
-                for &pointer in pointers {
-                    let ok = match doc.pointer(pointer) {
-                        None => members.push(pointer, b"N", false),
-                        Some(value) => members.walk(value, &mut pointer.to_owned()),
-                    };
-                    if !ok {
-                        return None;
-                    }
-                }
-            }
+impl Collect {
+    fn add(&mut self, pointer: &str, node: Option<Node<'_>>) {
+        if let Some(members) = &mut self.0
+            && !members.push(pointer, node)
+        {
+            self.0 = None;
         }
-        Some(members)
     }
 }
 
@@ -401,6 +360,15 @@ impl Enc {
         self.u64(bytes.len());
         self.0.extend_from_slice(bytes);
     }
+    /// A length-prefixed component that `write` appends.
+    fn lp_with<E>(&mut self, write: impl FnOnce(&mut Vec<u8>) -> Result<(), E>) -> Result<(), E> {
+        let at = self.0.len();
+        self.0.extend_from_slice(&[0; 8]);
+        write(&mut self.0)?;
+        let len = (self.0.len() - at - 8) as u64;
+        self.0[at..at + 8].copy_from_slice(&len.to_be_bytes());
+        Ok(())
+    }
     /// A count, then the pairs sorted bytewise by name, then value.
     fn pairs(&mut self, pairs: &mut [Pair<'_>]) {
         pairs.sort_unstable();
@@ -486,13 +454,14 @@ fn encode_raw(e: &mut Enc, body: &[u8]) {
 /// Appends the JSON body's encoding and answers its members (`Some(None)` past
 /// [`MAX_MEMBERS`]); `None` (with `e` partly written) if it is not I-JSON.
 fn encode_json(e: &mut Enc, body: &[u8], spec: &FingerprintSpec) -> Option<Option<Members>> {
-    let doc = parse_i_json(body)?;
+    let doc = jcs::parse(body)?;
+    let mut members = Collect(Some(Members::default()));
+    let mut visit = |pointer: &str, node: Node<'_>| members.add(pointer, Some(node));
     match spec.fields.as_deref() {
         None | Some([]) => {
-            let canonical = serde_json_canonicalizer::to_vec(&doc).ok()?;
             e.byte(b'J');
-            e.lp(&canonical);
-            Some(Members::of(&doc, None))
+            e.lp_with(|out| jcs::write(&doc, out, "", &mut visit))
+                .ok()?;
         }
         Some(fields) => {
             let mut pointers: Vec<&str> = fields.iter().map(String::as_str).collect();
@@ -503,118 +472,22 @@ fn encode_json(e: &mut Enc, body: &[u8], spec: &FingerprintSpec) -> Option<Optio
             for &pointer in &pointers {
                 e.lp(pointer.as_bytes());
                 match doc.pointer(pointer) {
-                    None => e.byte(0x00),
+                    None => {
+                        e.byte(0x00);
+                        members.add(pointer, None);
+                    }
                     Some(value) => {
-                        let canonical = serde_json_canonicalizer::to_vec(value).ok()?;
                         e.byte(0x01);
-                        e.lp(&canonical);
+                        e.lp_with(|out| {
+                            jcs::write(value, out, pointer, &mut |p, n| members.add(p, Some(n)))
+                        })
+                        .ok()?;
                     }
                 }
             }
-            Some(Members::of(&doc, Some(&pointers)))
         }
     }
-}
-
-/// Parses a JSON text that is also I-JSON as far as JCS needs: no duplicate member names
-/// (which `serde_json::Value` would otherwise silently collapse, last one winning).
-fn parse_i_json(body: &[u8]) -> Option<Value> {
-    let mut de = serde_json::Deserializer::from_slice(body);
-    (&mut de).deserialize_any(NoDuplicates).ok()?;
-    de.end().ok()?;
-    serde_json::from_slice(body).ok()
-}
-
-/// A visitor that walks a JSON document, failing on duplicate member names.
-#[derive(Clone, Copy)]
-struct NoDuplicates;
-
-impl<'de> DeserializeSeed<'de> for NoDuplicates {
-    type Value = ();
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for NoDuplicates {
-    type Value = ();
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON value")
-    }
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_i128<E: de::Error>(self, _: i128) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_u128<E: de::Error>(self, _: u128) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_none<E: de::Error>(self) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_some<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element_seed(self)?.is_some() {}
-        Ok(())
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let mut keys: Vec<Cow<'de, str>> = Vec::new();
-        while let Some(key) = map.next_key_seed(Key)? {
-            keys.push(key);
-            map.next_value_seed(self)?;
-        }
-        keys.sort_unstable();
-        if keys.windows(2).any(|w| w[0] == w[1]) {
-            return Err(de::Error::custom("duplicate member name"));
-        }
-        Ok(())
-    }
-}
-
-/// A member name, borrowed from the input when it has no escapes.
-struct Key;
-
-impl<'de> DeserializeSeed<'de> for Key {
-    type Value = Cow<'de, str>;
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Key {
-    type Value = Cow<'de, str>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a member name")
-    }
-    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(Cow::Borrowed(v))
-    }
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(Cow::Owned(v.to_owned()))
-    }
-    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
-        Ok(Cow::Owned(v))
-    }
+    Some(members.0)
 }
 
 /// Decodes `application/x-www-form-urlencoded` bytes into `(name, value)` byte pairs, as the
@@ -674,6 +547,7 @@ fn hex_value(b: u8) -> Option<u8> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use serde_json::Value;
 
     const JSON: Option<&str> = Some("application/json");
 
@@ -1329,6 +1203,50 @@ mod tests {
         }
     }
 
+    /// The member digests of `v` at `pointer` as `docs/fingerprint.md` lays them out, over
+    /// the reference canonicalizer's form of each scalar.
+    fn documented_members(v: &Value, pointer: &str, out: &mut Vec<MemberDigest>) {
+        let lp = |x: &[u8]| [&(x.len() as u64).to_be_bytes()[..], x].concat();
+        let node = match v {
+            Value::Object(map) => {
+                let mut names: Vec<&String> = map.keys().collect();
+                names.sort_by(|a, b| a.encode_utf16().cmp(b.encode_utf16()));
+                let mut node = [&b"O"[..], &(names.len() as u64).to_be_bytes()].concat();
+                for name in &names {
+                    node.extend(lp(name.as_bytes()));
+                }
+                node
+            }
+            Value::Array(items) => [&b"A"[..], &(items.len() as u64).to_be_bytes()].concat(),
+            scalar => [
+                &b"S"[..],
+                &lp(&serde_json_canonicalizer::to_vec(scalar).unwrap()),
+            ]
+            .concat(),
+        };
+        let short = |x: &[u8]| -> [u8; 8] { Sha256::digest(x)[..8].try_into().unwrap() };
+        out.push(MemberDigest {
+            pointer: short(&[&b"p"[..], &lp(pointer.as_bytes())].concat()),
+            value: short(&[&b"v"[..], &lp(pointer.as_bytes()), &node].concat()),
+        });
+        match v {
+            Value::Object(map) => {
+                let mut names: Vec<&String> = map.keys().collect();
+                names.sort_by(|a, b| a.encode_utf16().cmp(b.encode_utf16()));
+                for name in names {
+                    let escaped = name.replace('~', "~0").replace('/', "~1");
+                    documented_members(&map[name.as_str()], &format!("{pointer}/{escaped}"), out);
+                }
+            }
+            Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    documented_members(item, &format!("{pointer}/{i}"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// A value that is different under canonicalization.
     fn mutate(v: &mut Value) {
         *v = match v.take() {
@@ -1350,6 +1268,55 @@ mod tests {
             failure_persistence: None,
             ..ProptestConfig::default()
         })]
+
+        #[test]
+        fn prop_the_canonical_form_and_members_are_as_documented(
+            v in arb_json(),
+            seed in 1u64..,
+        ) {
+            // The body's own writer against the reference canonicalizer, byte for byte.
+            let reference = serde_json_canonicalizer::to_vec(&v).unwrap();
+            let mut written = Vec::new();
+            crate::jcs::write(&v, &mut written, "", &mut |_, _| {}).unwrap();
+            prop_assert_eq!(
+                String::from_utf8_lossy(&written),
+                String::from_utf8_lossy(&reference)
+            );
+            // The member digests of any spelling of the body against their documented layout.
+            let mut text = String::new();
+            write_value(&v, &mut Rng(seed), &mut text);
+            let mut expected = Vec::new();
+            documented_members(&v, "", &mut expected);
+            let members = fp_json(&text).members;
+            if expected.len() <= MAX_MEMBERS {
+                prop_assert_eq!(members.as_ref().map(Members::digests), Some(&expected[..]));
+            } else {
+                prop_assert!(members.is_none());
+            }
+            // Under a field selection: per selected pointer, its value's members.
+            let mut paths = Vec::new();
+            leaves(&v, &mut String::new(), &mut paths);
+            let mut fields: Vec<String> = paths.into_iter().take(3).collect();
+            fields.push("/not-there".into());
+            fields.sort();
+            let mut expected = Vec::new();
+            for field in &fields {
+                match v.pointer(field) {
+                    Some(value) => documented_members(value, field, &mut expected),
+                    None => {
+                        let short = |x: &[u8]| -> [u8; 8] { Sha256::digest(x)[..8].try_into().unwrap() };
+                        let lp = [&(field.len() as u64).to_be_bytes()[..], field.as_bytes()].concat();
+                        expected.push(MemberDigest {
+                            pointer: short(&[&b"p"[..], &lp].concat()),
+                            value: short(&[&b"v"[..], &lp, b"N"].concat()),
+                        });
+                    }
+                }
+            }
+            let spec = FingerprintSpec { fields: Some(fields) };
+            let members = fingerprint(&req(JSON, text.as_bytes()), &spec).members;
+            prop_assert_eq!(members.as_ref().map(Members::digests), Some(&expected[..]));
+        }
 
         #[test]
         fn prop_serialization_does_not_change_the_digest(

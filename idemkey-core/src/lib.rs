@@ -27,6 +27,7 @@ mod eviction;
 mod fingerprint;
 #[cfg(feature = "sqlx")]
 pub mod group;
+mod jcs;
 mod key;
 pub mod outbox;
 pub mod problem;

@@ -1,7 +1,8 @@
 //! RFC 8785 (JCS) test vectors.
 //!
-//! Each vector is checked twice: the canonicalizer the fingerprint uses
-//! (`serde_json` + `serde_json_canonicalizer`) must produce the expected bytes exactly, and
+//! Each vector is checked twice: the reference canonicalizer the fingerprint's own writer
+//! is held to (`serde_json` + `serde_json_canonicalizer`, see `fingerprint.rs`'s property
+//! test) must produce the expected bytes exactly, and
 //! [`fingerprint()`] of the input must equal an independent reimplementation of the byte
 //! layout in `docs/fingerprint.md` over those expected bytes, which proves that the
 //! fingerprint hashes exactly the canonical form.
@@ -9,7 +10,7 @@
 use idemkey_core::{FINGERPRINT_VERSION, FingerprintSpec, RequestParts, fingerprint};
 use sha2::{Digest, Sha256};
 
-/// Canonicalizes a JSON text, as the fingerprint does for a valid JSON body.
+/// Canonicalizes a JSON text with the reference canonicalizer.
 fn jcs(input: &[u8]) -> Vec<u8> {
     let value: serde_json::Value = serde_json::from_slice(input).expect("valid JSON");
     serde_json_canonicalizer::to_vec(&value).expect("canonicalizable")
