@@ -10,7 +10,7 @@ use idemkey_core::{
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
-use sqlx::{FromRow, Postgres, Row};
+use sqlx::{AssertSqlSafe, FromRow, Postgres, Row};
 
 use crate::literal::Sql;
 use crate::transaction::{PgTransaction, abandon};
@@ -235,6 +235,36 @@ impl PgStore {
     }
 }
 
+/// The grouped completion's `UPDATE`, its rows as literals (see
+/// [`GroupWriter::complete_group`]).
+fn completion_rows(rows: &[&Completion]) -> Result<String, StoreError> {
+    let mut sql = Sql::new(
+        "UPDATE idemkey_records AS r
+            SET state = 'completed', token = r.token + 1, lease_expires_at = NULL,
+                response_status = c.status, response_headers = c.headers,
+                response_body = c.body, updated_at = c.now
+           FROM (VALUES ",
+    );
+    for (i, c) in rows.iter().enumerate() {
+        sql.push(if i == 0 { "(" } else { ", (" });
+        sql.text(&c.id.tenant)?.push(", ");
+        sql.bytes(&c.id.key_hash).push(", ");
+        sql.text(&c.id.route)?.push(", ");
+        sql.int(c.token).push("::int8, ");
+        sql.int(i64::from(c.response.status)).push("::int4, ");
+        sql.bytes(&c.response.encode_headers()).push(", ");
+        sql.bytes(&c.response.body).push(", ");
+        sql.int(c.now.as_millis()).push("::int8)");
+    }
+    sql.push(
+        ") AS c (tenant, key_hash, route, token, status, headers, body, now)
+          WHERE r.tenant = c.tenant AND r.key_hash = c.key_hash AND r.route = c.route
+            AND r.token = c.token
+         RETURNING r.tenant, r.key_hash, r.route",
+    );
+    Ok(sql.finish())
+}
+
 /// One column of a grouped statement: `f` of every row, in the rows' order.
 fn column<'a, T, U>(rows: &[&'a T], f: impl Fn(&'a T) -> U) -> Vec<U> {
     rows.iter().map(|&row| f(row)).collect()
@@ -299,31 +329,29 @@ impl GroupWriter for PgStore {
     /// committed), each is written again alone, so that each gets its own answer; if the
     /// connection was lost, the group may or may not have committed, and each gets that
     /// error, as a completion alone would.
+    ///
+    /// The rows go as literal `VALUES` in a simple query, not as bound arrays to a
+    /// prepared statement: the `UPDATE` joins them to `idemkey_records`, and a prepared
+    /// statement's generic plan, made while the table was still small, joins by scanning
+    /// the whole table (a hash join) and stays cached on its connection until the table is
+    /// analyzed, each group then reading every record. Planned with the rows and the table
+    /// as they are, the join looks each row up by its primary key.
     async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
         let (rows, in_group) = group::plan(&group, |c| &c.id);
-        let completed = sqlx::query_as::<_, (String, Vec<u8>, String)>(
-            "UPDATE idemkey_records AS r
-                SET state = 'completed', token = r.token + 1, lease_expires_at = NULL,
-                    response_status = c.status, response_headers = c.headers,
-                    response_body = c.body, updated_at = c.now
-               FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bigint[], $5::integer[],
-                           $6::bytea[], $7::bytea[], $8::bigint[])
-                    AS c (tenant, key_hash, route, token, status, headers, body, now)
-              WHERE r.tenant = c.tenant AND r.key_hash = c.key_hash AND r.route = c.route
-                AND r.token = c.token
-             RETURNING r.tenant, r.key_hash, r.route",
-        )
-        .bind(column(&rows, |c| c.id.tenant.as_str()))
-        .bind(column(&rows, |c| &c.id.key_hash[..]))
-        .bind(column(&rows, |c| c.id.route.as_str()))
-        .bind(column(&rows, |c| c.token))
-        .bind(column(&rows, |c| i32::from(c.response.status)))
-        .bind(column(&rows, |c| c.response.encode_headers()))
-        .bind(column(&rows, |c| &c.response.body[..]))
-        .bind(column(&rows, |c| c.now.as_millis()))
-        .fetch_all(&self.pool)
-        .await
-        .map(group::returned);
+        let alone = |c| self.complete_alone(c);
+        let Ok(sql) = completion_rows(&rows) else {
+            // A value PostgreSQL cannot take (a NUL in a text): each alone says whose.
+            return group::answer_each(&group, &in_group, |_| None, alone).await;
+        };
+        let completed = sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_all(&self.pool)
+            .await
+            .and_then(|rows| {
+                rows.iter()
+                    .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
+                    .collect::<Result<Vec<_>, sqlx::Error>>()
+            })
+            .map(group::returned);
         let written = rows.len();
         let from_group = |c: &Completion| match &completed {
             Ok(completed) => Some(Ok(completed.contains(&c.id))),
@@ -334,7 +362,7 @@ impl GroupWriter for PgStore {
             )))),
             Err(_) => None,
         };
-        group::answer_each(&group, &in_group, from_group, |c| self.complete_alone(c)).await
+        group::answer_each(&group, &in_group, from_group, alone).await
     }
 }
 
@@ -883,6 +911,101 @@ mod tests {
     use idemkey_testkit::conformance::{begin_owned, claim_at, record_id};
 
     use super::*;
+
+    /// The grouped completion is planned with the table as it is: on a table of thousands
+    /// of records it looks each row up by its primary key (no scan of the table), and each
+    /// completion gets its own answer, a stale token `false`, from the literal rows'
+    /// `RETURNING`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_completion_group_looks_its_rows_up_by_key() {
+        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
+            .await
+            .expect("fresh database");
+        let store = PgStore::connect(&url, 4).await.expect("connect");
+        store.migrate().await.expect("migrate");
+        let now = Timestamp::now();
+        let claim = |key: &str| claim_at(&record_id("t1", "/v1/transfers", key), 1, now);
+        let reserve = |key: &str| NewRecord {
+            id: claim(key).id,
+            fingerprint: claim(key).fingerprint,
+            state: RecordState::Executing,
+            lease_expires_at: Some(now.plus(Duration::from_secs(30))),
+            now,
+            expires_at: now.plus(Duration::from_secs(3600)),
+            sealed_key: None,
+        };
+        let reserved = store
+            .insert_group(vec![reserve("a"), reserve("b"), reserve("c")])
+            .await;
+        assert!(
+            reserved.iter().all(|r| matches!(r, Ok(Inserted::Owned))),
+            "{reserved:?}"
+        );
+        sqlx::query(
+            "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
+                    fingerprint_parts, state, token, created_at, updated_at, expires_at)
+             SELECT 'bulk', sha256(i::text::bytea), '/bulk', '\\x00', '\\x00', 'completed',
+                    1, 0, 0, 0
+               FROM generate_series(1, 5000) AS i",
+        )
+        .execute(store.pool())
+        .await
+        .expect("bulk records");
+        let completion = |key: &str, token: i64| Completion {
+            id: claim(key).id,
+            token,
+            response: StoredResponse {
+                status: 201,
+                headers: vec![("content-type".into(), b"application/json".to_vec())],
+                body: format!("{{\"key\":\"{key}\",\"quote\":\"it's\\\\\"}}").into_bytes(),
+            },
+            now,
+        };
+        let group = vec![
+            completion("a", 1),
+            completion("b", 2), // stale: b's owner holds token 1
+            completion("c", 1),
+        ];
+
+        let rows: Vec<&Completion> = group.iter().collect();
+        let sql = completion_rows(&rows).expect("statement");
+        let plan: Vec<String> = sqlx::raw_sql(AssertSqlSafe(format!("EXPLAIN {sql}")))
+            .fetch_all(store.pool())
+            .await
+            .expect("explain")
+            .iter()
+            .map(|row| row.try_get(0).expect("plan line"))
+            .collect();
+        let plan = plan.join("\n");
+        assert!(
+            plan.contains("Index Scan using idemkey_records_pkey"),
+            "{plan}"
+        );
+        assert!(!plan.contains("Seq Scan on idemkey_records"), "{plan}");
+
+        let answers = store.complete_group(group).await;
+        assert!(
+            matches!(answers[..], [Ok(true), Ok(false), Ok(true)]),
+            "{answers:?}"
+        );
+        let mut conn = store.acquire().await.expect("connection");
+        let mut fetch = async |key: &str| {
+            store
+                .fetch(&mut conn, &claim(key).id)
+                .await
+                .expect("fetch")
+                .expect("record")
+        };
+        let a = fetch("a").await;
+        assert_eq!(a.state, RecordState::Completed);
+        assert_eq!(a.response, Some(completion("a", 1).response));
+        let b = fetch("b").await;
+        assert_eq!(
+            b.state,
+            RecordState::Executing,
+            "a stale completion wrote nothing"
+        );
+    }
 
     /// A group whose `INSERT` fails (one of its keys is held by an uncommitted claim past
     /// the lock time-out) answers each reservation alone: the held key is busy, the others
