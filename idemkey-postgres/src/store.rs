@@ -912,6 +912,25 @@ mod tests {
 
     use super::*;
 
+    /// The claim of `key` on one route, made at `now`.
+    fn claim(key: &str, now: Timestamp) -> protocol::Claim {
+        claim_at(&record_id("t1", "/v1/transfers", key), 1, now)
+    }
+
+    /// An external-mode reservation of `key` (executing, a 30 s lease).
+    fn reservation(key: &str, now: Timestamp) -> NewRecord {
+        let claim = claim(key, now);
+        NewRecord {
+            id: claim.id,
+            fingerprint: claim.fingerprint,
+            state: RecordState::Executing,
+            lease_expires_at: Some(now.plus(Duration::from_secs(30))),
+            now,
+            expires_at: now.plus(Duration::from_secs(3600)),
+            sealed_key: None,
+        }
+    }
+
     /// The grouped completion is planned with the table as it is: on a table of thousands
     /// of records it looks each row up by its primary key (no scan of the table), and each
     /// completion gets its own answer, a stale token `false`, from the literal rows'
@@ -924,16 +943,8 @@ mod tests {
         let store = PgStore::connect(&url, 4).await.expect("connect");
         store.migrate().await.expect("migrate");
         let now = Timestamp::now();
-        let claim = |key: &str| claim_at(&record_id("t1", "/v1/transfers", key), 1, now);
-        let reserve = |key: &str| NewRecord {
-            id: claim(key).id,
-            fingerprint: claim(key).fingerprint,
-            state: RecordState::Executing,
-            lease_expires_at: Some(now.plus(Duration::from_secs(30))),
-            now,
-            expires_at: now.plus(Duration::from_secs(3600)),
-            sealed_key: None,
-        };
+        let claim = |key: &str| claim(key, now);
+        let reserve = |key: &str| reservation(key, now);
         let reserved = store
             .insert_group(vec![reserve("a"), reserve("b"), reserve("c")])
             .await;
@@ -1026,16 +1037,8 @@ mod tests {
         let store = PgStore::new(pool);
         store.migrate().await.expect("migrate");
         let now = Timestamp::now();
-        let claim = |key: &str| claim_at(&record_id("t1", "/v1/transfers", key), 1, now);
-        let new = |key: &str| NewRecord {
-            id: claim(key).id,
-            fingerprint: claim(key).fingerprint,
-            state: RecordState::Executing,
-            lease_expires_at: Some(now.plus(Duration::from_secs(30))),
-            now,
-            expires_at: now.plus(Duration::from_secs(3600)),
-            sealed_key: None,
-        };
+        let claim = |key: &str| claim(key, now);
+        let new = |key: &str| reservation(key, now);
         let (holder, _) = begin_owned(&store, &claim("held")).await;
 
         let group = vec![new("free-1"), new("held"), new("free-2"), new("free-1")];
