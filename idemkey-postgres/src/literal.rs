@@ -1,6 +1,7 @@
 //! SQL literals, for the statements the store sends together in one simple-query message
 //! (the extended protocol that carries bound parameters answers each statement before the
-//! next is sent, so it cannot put two in one round trip).
+//! next is sent, so it cannot put two in one round trip), and for the grouped completion,
+//! whose rows are planned with each statement.
 //!
 //! Only values this crate builds go through here, and each is written so that nothing in it
 //! can end the literal: text as an escape string (`E'…'`, with `\` and `'` doubled, which
@@ -9,7 +10,7 @@
 
 use std::fmt::Write;
 
-use idemkey_core::StoreError;
+use idemkey_core::{RecordId, StoreError, StoredResponse, Timestamp};
 
 /// A statement being written, value by value.
 #[derive(Debug, Default)]
@@ -80,6 +81,29 @@ impl Sql {
             Some(value) => self.int(value),
             None => self.push("NULL"),
         }
+    }
+
+    /// A record's identity: `tenant, key_hash, route`.
+    pub(crate) fn id(&mut self, id: &RecordId) -> Result<&mut Self, StoreError> {
+        self.text(&id.tenant)?.push(", ");
+        self.bytes(&id.key_hash).push(", ");
+        self.text(&id.route)
+    }
+
+    /// A completion, in `idemkey_complete_v1`'s order: the record's identity, the owner's
+    /// token, the response's status, headers and body, when it was written.
+    pub(crate) fn completion(
+        &mut self,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<&mut Self, StoreError> {
+        self.id(id)?.push(", ").int(token).push(", ");
+        self.int(i64::from(response.status)).push(", ");
+        self.bytes(&response.encode_headers()).push(", ");
+        self.bytes(&response.body).push(", ");
+        Ok(self.int(now.as_millis()))
     }
 
     pub(crate) fn finish(self) -> String {

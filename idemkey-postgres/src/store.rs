@@ -247,14 +247,8 @@ fn completion_rows(rows: &[&Completion]) -> Result<String, StoreError> {
     );
     for (i, c) in rows.iter().enumerate() {
         sql.push(if i == 0 { "(" } else { ", (" });
-        sql.text(&c.id.tenant)?.push(", ");
-        sql.bytes(&c.id.key_hash).push(", ");
-        sql.text(&c.id.route)?.push(", ");
-        sql.int(c.token).push("::int8, ");
-        sql.int(i64::from(c.response.status)).push("::int4, ");
-        sql.bytes(&c.response.encode_headers()).push(", ");
-        sql.bytes(&c.response.body).push(", ");
-        sql.int(c.now.as_millis()).push("::int8)");
+        sql.completion(&c.id, c.token, &c.response, c.now)?
+            .push(")");
     }
     sql.push(
         ") AS c (tenant, key_hash, route, token, status, headers, body, now)
@@ -346,11 +340,7 @@ impl GroupWriter for PgStore {
         let completed = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(&self.pool)
             .await
-            .and_then(|rows| {
-                rows.iter()
-                    .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
-                    .collect::<Result<Vec<_>, sqlx::Error>>()
-            })
+            .and_then(|rows| rows.iter().map(FromRow::from_row).collect())
             .map(group::returned);
         let written = rows.len();
         let from_group = |c: &Completion| match &completed {
@@ -410,10 +400,8 @@ impl Store for PgStore {
         lock_timeout(&mut claim);
         claim
             .push("; EXECUTE idemkey_claim_v1(")
-            .text(&record.id.tenant)?
+            .id(&record.id)?
             .push(", ");
-        claim.bytes(&record.id.key_hash).push(", ");
-        claim.text(&record.id.route)?.push(", ");
         claim.bytes(&record.fingerprint.digest).push(", ");
         claim.bytes(&record.fingerprint.parts.to_bytes()).push(", ");
         claim.text(record.state.as_str())?.push(", ");
@@ -482,19 +470,11 @@ impl Store for PgStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<(), CommitError> {
-        let written = (|| {
-            let mut sql = Sql::new("EXECUTE idemkey_complete_v1(");
-            sql.text(&id.tenant)?.push(", ");
-            sql.bytes(&id.key_hash).push(", ");
-            sql.text(&id.route)?.push(", ");
-            sql.int(token).push(", ");
-            sql.int(i64::from(response.status)).push(", ");
-            sql.bytes(&response.encode_headers()).push(", ");
-            sql.bytes(&response.body).push(", ");
-            sql.int(now.as_millis()).push(")");
-            Ok(sql.finish())
-        })();
-        let statements = written.map_err(CommitError::NotCommitted)?;
+        let mut sql = Sql::new("EXECUTE idemkey_complete_v1(");
+        sql.completion(id, token, response, now)
+            .map_err(CommitError::NotCommitted)?
+            .push(")");
+        let statements = sql.finish();
         tx.commit_after(statements, |code| code == NOT_OWNED).await
     }
 
