@@ -456,11 +456,10 @@ fn encode_raw(e: &mut Enc, body: &[u8]) {
 fn encode_json(e: &mut Enc, body: &[u8], spec: &FingerprintSpec) -> Option<Option<Members>> {
     let doc = jcs::parse(body)?;
     let mut members = Collect(Some(Members::default()));
-    let mut visit = |pointer: &str, node: Node<'_>| members.add(pointer, Some(node));
     match spec.fields.as_deref() {
         None | Some([]) => {
             e.byte(b'J');
-            e.lp_with(|out| jcs::write(&doc, out, "", &mut visit))
+            e.lp_with(|out| jcs::write(&doc, out, "", &mut |p, n| members.add(p, Some(n))))
                 .ok()?;
         }
         Some(fields) => {
