@@ -998,6 +998,52 @@ mod tests {
         );
     }
 
+    /// The table does not check the record's state (migration 0006), so the read does: a
+    /// state none of the store's statements writes is `Corrupt`, both when the record is
+    /// read and when a retry's claim finds it, and nothing is replayed from it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_state_the_store_never_writes_is_refused_when_read() {
+        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
+            .await
+            .expect("fresh database");
+        let store = PgStore::connect(&url, 4).await.expect("connect");
+        store.migrate().await.expect("migrate");
+        let now = Timestamp::now();
+        let claim = claim("unknown-state", now);
+        let (tx, token) = begin_owned(&store, &claim).await;
+        let response = StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: b"{}".to_vec(),
+        };
+        store
+            .complete_and_commit(tx, &claim.id, token, &response, now)
+            .await
+            .expect("completed");
+        let changed = sqlx::query("UPDATE idemkey_records SET state = 'archived'")
+            .execute(store.pool())
+            .await
+            .expect("the table takes any state")
+            .rows_affected();
+        assert_eq!(changed, 1);
+
+        let mut conn = store.acquire().await.expect("connection");
+        let read = store.fetch(&mut conn, &claim.id).await;
+        assert!(
+            matches!(&read, Err(StoreError::Corrupt(what)) if what.contains("unknown state")),
+            "{read:?}"
+        );
+        let retried = protocol::begin_claim(&store, &claim, None).await;
+        assert!(
+            matches!(
+                &retried,
+                Err(protocol::Error::Store(StoreError::Corrupt(_)))
+            ),
+            "{:?}",
+            retried.map(|(_, outcome)| outcome)
+        );
+    }
+
     /// A group whose `INSERT` fails (one of its keys is held by an uncommitted claim past
     /// the lock time-out) answers each reservation alone: the held key is busy, the others
     /// are owned, and when the holder rolls back the held key is free.
