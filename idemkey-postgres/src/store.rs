@@ -12,6 +12,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, FromRow, Postgres, Row};
 
+use crate::kept::Kept;
 use crate::literal::Sql;
 use crate::transaction::{PgTransaction, abandon};
 
@@ -22,6 +23,9 @@ pub struct PgStore {
     /// External mode's reservations and completions, committed in groups
     /// (`idemkey_core::group`).
     grouped: GroupedWrites,
+    /// Connections the store's own `COMMIT`s ended, kept for its next transactions without
+    /// the pool's test on release (`crate::kept`).
+    kept: Kept,
 }
 
 impl PgStore {
@@ -31,6 +35,7 @@ impl PgStore {
     /// A store on an existing pool (for example the application's own).
     pub fn new(pool: PgPool) -> Self {
         Self {
+            kept: Kept::new(&pool),
             pool,
             // Two groups of each kind at a time, each on a pooled connection: the side-by-side
             // harness, bound by waiting rather than CPU, ran 11 % faster than with one.
@@ -222,7 +227,10 @@ impl PgStore {
         let attempts = self.pool.options().get_max_connections() + 1;
         let mut attempt = 1;
         loop {
-            let conn = self.pool.acquire().await.map_err(|e| (e, None))?;
+            let conn = match self.kept.take(&self.pool) {
+                Some(conn) => conn,
+                None => self.pool.acquire().await.map_err(|e| (e, None))?,
+            };
             match PgTransaction::begin(conn, statement.clone()).await {
                 Ok(tx) => return Ok(tx),
                 Err((e, mut conn)) if attempt < attempts && is_connection_lost(&e) => {
@@ -374,7 +382,8 @@ impl Store for PgStore {
     }
 
     async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
-        tx.commit().await
+        self.kept.keep(tx.commit_keeping().await?);
+        Ok(())
     }
 
     /// One round trip for a fresh key: `BEGIN` and a plain `INSERT` of the record (the
@@ -475,7 +484,11 @@ impl Store for PgStore {
             .map_err(CommitError::NotCommitted)?
             .push(")");
         let statements = sql.finish();
-        tx.commit_after(statements, |code| code == NOT_OWNED).await
+        let conn = tx
+            .commit_after(statements, |code| code == NOT_OWNED)
+            .await?;
+        self.kept.keep(conn);
+        Ok(())
     }
 
     async fn limit_lock_wait(
@@ -493,8 +506,13 @@ impl Store for PgStore {
         Ok(())
     }
 
+    /// A kept connection when there is one (so the store's reads do not wait on what its
+    /// transactions keep), else one from the pool. Either goes back to the pool when dropped.
     async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {
-        self.pool.acquire().await.map_err(error)
+        match self.kept.take(&self.pool) {
+            Some(conn) => Ok(conn),
+            None => self.pool.acquire().await.map_err(error),
+        }
     }
 
     /// Concurrent reservations are committed in groups, one `INSERT` of up to 64 rows each,
@@ -911,17 +929,34 @@ mod tests {
         }
     }
 
+    /// A migrated store of `max_connections` on a fresh database.
+    async fn migrated_store(max_connections: u32) -> PgStore {
+        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
+            .await
+            .expect("fresh database");
+        let store = PgStore::connect(&url, max_connections)
+            .await
+            .expect("connect");
+        store.migrate().await.expect("migrate");
+        store
+    }
+
+    /// A 201 with an empty JSON object.
+    fn created() -> StoredResponse {
+        StoredResponse {
+            status: 201,
+            headers: Vec::new(),
+            body: b"{}".to_vec(),
+        }
+    }
+
     /// The grouped completion is planned with the table as it is: on a table of thousands
     /// of records it looks each row up by its primary key (no scan of the table), and each
     /// completion gets its own answer, a stale token `false`, from the literal rows'
     /// `RETURNING`.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_completion_group_looks_its_rows_up_by_key() {
-        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
-            .await
-            .expect("fresh database");
-        let store = PgStore::connect(&url, 4).await.expect("connect");
-        store.migrate().await.expect("migrate");
+        let store = migrated_store(4).await;
         let now = Timestamp::now();
         let claim = |key: &str| claim(key, now);
         let reserve = |key: &str| reservation(key, now);
@@ -998,24 +1033,111 @@ mod tests {
         );
     }
 
+    /// A connection whose transaction the store committed is kept out of the pool, and the
+    /// next transaction begins on it (the same backend), whole: what it writes commits with
+    /// it, and dropped, it leaves nothing. Both ways of committing keep it: the completion
+    /// sent with the `COMMIT` (a keyed request) and a plain commit (an unkeyed one).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_committed_connection_begins_the_next_transaction() {
+        let store = migrated_store(4).await;
+        sqlx::query("CREATE TABLE effects (label TEXT NOT NULL)")
+            .execute(store.pool())
+            .await
+            .expect("effects table");
+        let backend = async |tx: &mut PgTransaction| -> i32 {
+            sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut **tx)
+                .await
+                .expect("backend")
+        };
+        let effect = async |tx: &mut PgTransaction, label: &str| {
+            sqlx::query("INSERT INTO effects (label) VALUES ($1)")
+                .bind(label)
+                .execute(&mut **tx)
+                .await
+                .expect("effect");
+        };
+        let now = Timestamp::now();
+        let response = created();
+
+        let first = claim("kept-first", now);
+        let (mut tx, token) = begin_owned(&store, &first).await;
+        let pid = backend(&mut tx).await;
+        effect(&mut tx, "completed").await;
+        store
+            .complete_and_commit(tx, &first.id, token, &response, now)
+            .await
+            .expect("committed");
+        assert_eq!(store.kept.len(), 1, "kept after the completion's COMMIT");
+
+        let second = claim("kept-second", now);
+        let (mut tx, _) = begin_owned(&store, &second).await;
+        assert_eq!(store.kept.len(), 0);
+        assert_eq!(backend(&mut tx).await, pid, "begun on the kept connection");
+        effect(&mut tx, "dropped").await;
+        drop(tx);
+
+        let mut tx = store.begin().await.expect("begin");
+        let pid = backend(&mut tx).await;
+        effect(&mut tx, "plain").await;
+        store.commit(tx).await.expect("commit");
+        assert_eq!(store.kept.len(), 1, "kept after a plain COMMIT");
+        let mut tx = store.begin().await.expect("begin");
+        assert_eq!(backend(&mut tx).await, pid, "begun on the kept connection");
+        tx.rollback().await.expect("rollback");
+
+        let labels: Vec<String> = sqlx::query_scalar("SELECT label FROM effects ORDER BY label")
+            .fetch_all(store.pool())
+            .await
+            .expect("labels");
+        assert_eq!(labels, ["completed", "plain"]);
+        let mut conn = store.acquire().await.expect("connection");
+        let first = store.fetch(&mut conn, &first.id).await.expect("fetch");
+        assert_eq!(first.map(|r| r.state), Some(RecordState::Completed));
+        let second = store.fetch(&mut conn, &second.id).await.expect("fetch");
+        assert!(second.is_none(), "the dropped claim left no record");
+    }
+
+    /// A kept connection is the pool's again once unused for a moment: with a pool of one,
+    /// the application's own `acquire` gets the connection the store kept, and closing the
+    /// pool does not wait on it for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_connection_goes_back_to_the_pool_unused() {
+        let store = migrated_store(1).await;
+        let commit_one = async || {
+            let tx = store.begin().await.expect("begin");
+            store.commit(tx).await.expect("commit");
+            assert_eq!(store.kept.len(), 1, "kept");
+        };
+
+        commit_one().await;
+        // Waits until the store gives it back; the pool's acquire time-out (5 s) would fail.
+        let conn = store
+            .pool()
+            .acquire()
+            .await
+            .expect("the pool has its one connection back");
+        assert_eq!(store.kept.len(), 0);
+        drop(conn);
+
+        commit_one().await;
+        tokio::time::timeout(Duration::from_secs(30), store.pool().close())
+            .await
+            .expect("the pool closed");
+        assert_eq!(store.kept.len(), 0);
+        assert!(store.begin().await.is_err(), "a closed pool begins nothing");
+    }
+
     /// The table does not check the record's state (migration 0006), so the read does: a
     /// state none of the store's statements writes is `Corrupt`, both when the record is
     /// read and when a retry's claim finds it, and nothing is replayed from it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_state_the_store_never_writes_is_refused_when_read() {
-        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
-            .await
-            .expect("fresh database");
-        let store = PgStore::connect(&url, 4).await.expect("connect");
-        store.migrate().await.expect("migrate");
+        let store = migrated_store(4).await;
         let now = Timestamp::now();
         let claim = claim("unknown-state", now);
         let (tx, token) = begin_owned(&store, &claim).await;
-        let response = StoredResponse {
-            status: 201,
-            headers: Vec::new(),
-            body: b"{}".to_vec(),
-        };
+        let response = created();
         store
             .complete_and_commit(tx, &claim.id, token, &response, now)
             .await

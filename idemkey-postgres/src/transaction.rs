@@ -20,7 +20,8 @@ use crate::store::error;
 /// next message, as an `sqlx::Transaction`'s does).
 #[derive(Debug)]
 pub struct PgTransaction {
-    conn: PoolConnection<Postgres>,
+    /// `None` only once a commit has handed the connection back to the store.
+    conn: Option<PoolConnection<Postgres>>,
     /// The transaction sqlx counts on the connection is ours to end.
     open: bool,
 }
@@ -37,24 +38,46 @@ impl PgTransaction {
     ) -> Result<Self, (sqlx::Error, PoolConnection<Postgres>)> {
         let statement = statement.map(|s| AssertSqlSafe(s).into_sql_str());
         match PgTransactionManager::begin(&mut conn, statement).await {
-            Ok(()) => Ok(Self { conn, open: true }),
+            Ok(()) => Ok(Self {
+                conn: Some(conn),
+                open: true,
+            }),
             Err(e) => Err((e, conn)),
         }
     }
 
     /// Commits.
-    pub async fn commit(mut self) -> Result<(), StoreError> {
-        PgTransactionManager::commit(&mut self.conn)
+    pub async fn commit(self) -> Result<(), StoreError> {
+        self.commit_keeping().await.map(drop)
+    }
+
+    /// Commits, and hands back the connection, out of any transaction, for the store to
+    /// keep (`crate::kept`).
+    pub(crate) async fn commit_keeping(mut self) -> Result<PoolConnection<Postgres>, StoreError> {
+        PgTransactionManager::commit(self.connection())
             .await
             .map_err(error)?;
+        Ok(self.ended())
+    }
+
+    fn connection(&mut self) -> &mut PoolConnection<Postgres> {
+        self.conn
+            .as_mut()
+            .expect("a transaction holds its connection until it ends")
+    }
+
+    /// The connection of a transaction that ended, sqlx's count of it included.
+    fn ended(mut self) -> PoolConnection<Postgres> {
         self.open = false;
-        Ok(())
+        self.conn
+            .take()
+            .expect("a transaction holds its connection until it ends")
     }
 
     /// Rolls back now (dropping the transaction rolls it back with the connection's next
     /// message).
     pub async fn rollback(mut self) -> Result<(), StoreError> {
-        PgTransactionManager::rollback(&mut self.conn)
+        PgTransactionManager::rollback(self.connection())
             .await
             .map_err(error)?;
         self.open = false;
@@ -64,27 +87,28 @@ impl PgTransaction {
     /// Sends `statements` followed by `COMMIT` in one message, and reports what that means
     /// for the transaction: committed, refused by the server (nothing committed), or
     /// unknown (the connection failed after the message may have reached the server).
-    /// `is_fenced` reads the server's refusal as [`CommitError::Fenced`].
+    /// `is_fenced` reads the server's refusal as [`CommitError::Fenced`]. Committed, the
+    /// connection is handed back for the store to keep (`crate::kept`).
     pub(crate) async fn commit_after(
         mut self,
         statements: String,
         is_fenced: impl Fn(&str) -> bool,
-    ) -> Result<(), CommitError> {
+    ) -> Result<PoolConnection<Postgres>, CommitError> {
         // `BEGIN` again after the `COMMIT`: the connection stays in a transaction, as sqlx
-        // counts it, and the empty transaction is rolled back by the `ROLLBACK` that
-        // dropping `self` queues, which goes out with the pool's check of the connection
-        // on release: no round trip of its own.
+        // counts it, and the empty transaction is rolled back by a `ROLLBACK` queued here,
+        // which goes out with the connection's next message: no round trip of its own.
         let batch = format!("{statements}; COMMIT; BEGIN");
         let Err(e) = sqlx::raw_sql(AssertSqlSafe(batch))
-            .execute(&mut *self.conn)
+            .execute(&mut **self.connection())
             .await
         else {
-            return Ok(());
+            PgTransactionManager::start_rollback(self.connection());
+            return Ok(self.ended());
         };
         // Which statement failed is not known here, so the connection is not reused (the
         // server rolls back what is left of the transaction when it closes).
         self.open = false;
-        self.conn.close_on_drop();
+        self.connection().close_on_drop();
         let code = match &e {
             sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
             _ => None,
@@ -114,20 +138,24 @@ impl Deref for PgTransaction {
     type Target = PgConnection;
 
     fn deref(&self) -> &PgConnection {
-        &self.conn
+        self.conn
+            .as_ref()
+            .expect("a transaction holds its connection until it ends")
     }
 }
 
 impl DerefMut for PgTransaction {
     fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.conn
+        self.connection()
     }
 }
 
 impl Drop for PgTransaction {
     fn drop(&mut self) {
-        if self.open {
-            PgTransactionManager::start_rollback(&mut self.conn);
+        if self.open
+            && let Some(conn) = self.conn.as_mut()
+        {
+            PgTransactionManager::start_rollback(conn);
         }
     }
 }

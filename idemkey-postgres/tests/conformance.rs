@@ -177,9 +177,10 @@ async fn claim_that_waited_on_the_owner_reads_the_record_after_it() {
     assert_eq!(h.count_effects().await, 1);
 }
 
-/// The pool hands out connections without pinging them. After the server ended every
-/// session of the pool while they sat idle (a restart, an administrator), the next
-/// transaction still starts, on a live connection, and its claim goes through.
+/// The pool hands out connections without pinging them, nor does the store test those it
+/// keeps. After the server ended every session of the pool while they sat idle (a restart,
+/// an administrator), the next transaction still starts, on a live connection, and its
+/// claim goes through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn begin_survives_terminated_idle_connections() {
     let h = PgHarness::new().await;
@@ -195,6 +196,9 @@ async fn begin_survives_terminated_idle_connections() {
     }
     drop(held);
     assert!(store.pool().num_idle() >= 3, "three idle connections");
+    // And one the store keeps, out of the pool, after a transaction it committed.
+    let tx = store.begin().await.expect("begin");
+    store.commit(tx).await.expect("commit");
 
     let mut admin = PgConnection::connect(&h.url)
         .await
@@ -263,10 +267,17 @@ async fn pipelined_transactions_leave_no_connection_in_a_transaction() {
             "{refused:?}"
         );
     }
-    // Every connection of the pool, each back from its last use (acquiring waits for that).
+    // Every connection of the pool, each back from its last use (acquiring waits for that),
+    // and each through its first statement: a connection the store kept may carry the
+    // `ROLLBACK` of the empty transaction `COMMIT; BEGIN` left, queued for its next message.
     let mut held = Vec::new();
     for _ in 0..4 {
-        held.push(store.acquire().await.expect("acquire"));
+        let mut conn = store.acquire().await.expect("acquire");
+        sqlx::query("SELECT 1")
+            .execute(&mut *conn)
+            .await
+            .expect("first statement");
+        held.push(conn);
     }
     let in_transaction: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_stat_activity
