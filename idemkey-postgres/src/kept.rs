@@ -42,6 +42,8 @@ pub(crate) struct Kept {
 struct Inner {
     state: Mutex<State>,
     capacity: usize,
+    /// [`IDLE`], but for tests that must not race the sweep.
+    idle: Duration,
 }
 
 #[derive(Debug)]
@@ -56,6 +58,11 @@ struct State {
 impl Kept {
     /// Keeps up to half of `pool`'s connections (at least one).
     pub(crate) fn new(pool: &PgPool) -> Self {
+        Self::with_idle(pool, IDLE)
+    }
+
+    /// Like [`new`](Self::new), a connection kept unused for `idle` going back to the pool.
+    pub(crate) fn with_idle(pool: &PgPool, idle: Duration) -> Self {
         let capacity = (pool.options().get_max_connections() as usize / 2).max(1);
         Self {
             inner: Arc::new(Inner {
@@ -65,17 +72,23 @@ impl Kept {
                     sweeping: false,
                 }),
                 capacity,
+                idle,
             }),
         }
     }
 
-    /// The most recently kept connection, if any (none once `pool` is closed).
-    pub(crate) fn take(&self, pool: &PgPool) -> Option<PoolConnection<Postgres>> {
+    /// The most recently kept connection, else one from `pool` (nothing is kept once it is
+    /// closed).
+    pub(crate) async fn take_or_acquire(
+        &self,
+        pool: &PgPool,
+    ) -> Result<PoolConnection<Postgres>, sqlx::Error> {
         if pool.is_closed() {
             drop(self.inner.drain(|_| true));
-            return None;
+        } else if let Some((conn, _)) = self.inner.lock().connections.pop() {
+            return Ok(conn);
         }
-        self.inner.lock().connections.pop().map(|(conn, _)| conn)
+        pool.acquire().await
     }
 
     /// Keeps `conn`, whose transaction the store ended with a confirmed `COMMIT`, or lets
@@ -132,11 +145,14 @@ impl Inner {
 /// Every [`IDLE`], gives the connections kept unused that long back to the pool, until the
 /// store is gone.
 async fn sweep(inner: Weak<Inner>) {
+    let Some(idle) = inner.upgrade().map(|inner| inner.idle) else {
+        return;
+    };
     loop {
-        tokio::time::sleep(IDLE).await;
+        tokio::time::sleep(idle).await;
         let Some(inner) = inner.upgrade() else { return };
         let now = Instant::now();
-        let stale = inner.drain(|kept_at| now.duration_since(kept_at) >= IDLE);
+        let stale = inner.drain(|kept_at| now.duration_since(kept_at) >= idle);
         drop(inner);
         drop(stale);
     }

@@ -227,10 +227,7 @@ impl PgStore {
         let attempts = self.pool.options().get_max_connections() + 1;
         let mut attempt = 1;
         loop {
-            let conn = match self.kept.take(&self.pool) {
-                Some(conn) => conn,
-                None => self.pool.acquire().await.map_err(|e| (e, None))?,
-            };
+            let conn = (self.kept.take_or_acquire(&self.pool).await).map_err(|e| (e, None))?;
             match PgTransaction::begin(conn, statement.clone()).await {
                 Ok(tx) => return Ok(tx),
                 Err((e, mut conn)) if attempt < attempts && is_connection_lost(&e) => {
@@ -509,10 +506,7 @@ impl Store for PgStore {
     /// A kept connection when there is one (so the store's reads do not wait on what its
     /// transactions keep), else one from the pool. Either goes back to the pool when dropped.
     async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {
-        match self.kept.take(&self.pool) {
-            Some(conn) => Ok(conn),
-            None => self.pool.acquire().await.map_err(error),
-        }
+        self.kept.take_or_acquire(&self.pool).await.map_err(error)
     }
 
     /// Concurrent reservations are committed in groups, one `INSERT` of up to 64 rows each,
@@ -1039,7 +1033,9 @@ mod tests {
     /// sent with the `COMMIT` (a keyed request) and a plain commit (an unkeyed one).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_committed_connection_begins_the_next_transaction() {
-        let store = migrated_store(4).await;
+        let mut store = migrated_store(4).await;
+        // Kept for good, so that nothing here races the sweep.
+        store.kept = Kept::with_idle(store.pool(), Duration::from_secs(3600));
         sqlx::query("CREATE TABLE effects (label TEXT NOT NULL)")
             .execute(store.pool())
             .await
@@ -1100,14 +1096,14 @@ mod tests {
 
     /// A kept connection is the pool's again once unused for a moment: with a pool of one,
     /// the application's own `acquire` gets the connection the store kept, and closing the
-    /// pool does not wait on it for good.
+    /// pool does not wait on it for good. (That it is kept at all is the test above; here
+    /// the sweep may take it back at any moment.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_kept_connection_goes_back_to_the_pool_unused() {
         let store = migrated_store(1).await;
         let commit_one = async || {
             let tx = store.begin().await.expect("begin");
             store.commit(tx).await.expect("commit");
-            assert_eq!(store.kept.len(), 1, "kept");
         };
 
         commit_one().await;
