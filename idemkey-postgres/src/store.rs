@@ -33,6 +33,13 @@ impl PgStore {
     pub const MIGRATIONS_TABLE: &'static str = "idemkey_migrations";
 
     /// A store on an existing pool (for example the application's own).
+    ///
+    /// Between its own transactions the store keeps up to half of the pool's connections,
+    /// out of the pool, so that a connection its `COMMIT` ended needs no test by the pool
+    /// before the next transaction (docs/decisions.md, "The store keeps the connections its
+    /// own `COMMIT`s ended"): a kept connection goes back to the pool after 50 ms unused, so
+    /// the application's own queries on a pool the store has exhausted wait at most about
+    /// that long for one.
     pub fn new(pool: PgPool) -> Self {
         Self {
             kept: Kept::new(&pool),
