@@ -1131,6 +1131,82 @@ mod tests {
         assert!(store.begin().await.is_err(), "a closed pool begins nothing");
     }
 
+    /// Kept connections under a race: sixteen tasks committing transactions back to back and
+    /// four using the pool directly, all on a pool of four (two of them kept at most), each
+    /// task released by one barrier. Every transaction's effect is there exactly once, no
+    /// one times out waiting for a connection, and afterwards no connection is left in a
+    /// transaction.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn kept_connections_serve_racing_transactions_and_the_pools_own_queries() {
+        const STORE_TASKS: usize = 16;
+        const POOL_TASKS: usize = 4;
+        const ROUNDS: usize = 25;
+        let store = migrated_store(4).await;
+        sqlx::query("CREATE TABLE effects (task INT NOT NULL, round INT NOT NULL)")
+            .execute(store.pool())
+            .await
+            .expect("effects table");
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(STORE_TASKS + POOL_TASKS));
+        let mut tasks = tokio::task::JoinSet::new();
+        for task in 0..STORE_TASKS {
+            let (store, start) = (store.clone(), start.clone());
+            tasks.spawn(async move {
+                start.wait().await;
+                for round in 0..ROUNDS {
+                    let mut tx = store.begin().await.expect("begin");
+                    sqlx::query("INSERT INTO effects (task, round) VALUES ($1, $2)")
+                        .bind(task as i32)
+                        .bind(round as i32)
+                        .execute(&mut *tx)
+                        .await
+                        .expect("effect");
+                    store.commit(tx).await.expect("commit");
+                }
+            });
+        }
+        for _ in 0..POOL_TASKS {
+            let (store, start) = (store.clone(), start.clone());
+            tasks.spawn(async move {
+                start.wait().await;
+                for _ in 0..ROUNDS {
+                    let mut conn = store.pool().acquire().await.expect("the pool's own query");
+                    sqlx::query("SELECT 1")
+                        .execute(&mut *conn)
+                        .await
+                        .expect("select");
+                }
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            done.expect("task");
+        }
+
+        let (effects, distinct): (i64, i64) =
+            sqlx::query_as("SELECT count(*), count(DISTINCT (task, round)) FROM effects")
+                .fetch_one(store.pool())
+                .await
+                .expect("count");
+        assert_eq!(effects, (STORE_TASKS * ROUNDS) as i64);
+        assert_eq!(distinct, effects, "each effect once");
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            let mut conn = store.acquire().await.expect("acquire");
+            sqlx::query("SELECT 1")
+                .execute(&mut *conn)
+                .await
+                .expect("first statement");
+            held.push(conn);
+        }
+        let in_transaction: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+        )
+        .fetch_one(&mut *held[0])
+        .await
+        .expect("pg_stat_activity");
+        assert_eq!(in_transaction, 0);
+    }
+
     /// The table does not check the record's state (migration 0006), so the read does: a
     /// state none of the store's statements writes is `Corrupt`, both when the record is
     /// read and when a retry's claim finds it, and nothing is replayed from it.
