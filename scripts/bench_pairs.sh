@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Alternating pairs of two builds on SQLite, fresh keys only: for each pair, `idemkey serve`
-# of BEFORE then of AFTER, each on a fresh database file, loaded by AFTER's `idemkey bench
-# --mode fresh`. One row per run: fresh req/s, the server's CPU µs per fresh request, p99,
-# and the server's context switches per fresh request (voluntary + involuntary, all its
-# threads, from /proc, over the whole run including the unkeyed baseline phase). Loopback
-# only; bounded by --requests and --duration.
+# Alternating pairs of two builds: for each pair, `idemkey serve` of BEFORE and of AFTER
+# (BEFORE first in odd pairs, AFTER first in even ones: the first run of a pair tends to be
+# the faster), each on a fresh database, loaded by AFTER's `idemkey bench --mode fresh` (the
+# unkeyed baseline phase, then fresh keys). One row per run: fresh req/s, the server's CPU µs
+# per fresh request, p99, fresh / baseline, the baseline's req/s and server CPU, the
+# database's CPU per fresh request (PostgreSQL), and the server's context switches per
+# request (voluntary + involuntary, all its threads, from /proc, over both phases).
+# Loopback only; bounded by --requests and --duration.
 #
 #   scripts/bench_pairs.sh BEFORE AFTER [PAIRS] [REQUESTS] [CONCURRENCY]
 #
-# BEFORE and AFTER are paths to `idemkey` release binaries.
+# BEFORE and AFTER are paths to `idemkey` release binaries. STORE=postgres (default sqlite)
+# runs them on a throwaway PostgreSQL (fsync on, default settings), a fresh database of one
+# cluster per run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BEFORE=$1
@@ -23,15 +27,26 @@ mkdir -p "$OUT"
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
 work_dir pairs
+STORE=${STORE:-sqlite}
+if [ "$STORE" = postgres ]; then
+  start_pg
+fi
 
 switches() { # $1 = pid: context switches of all its threads so far
   cat /proc/"$1"/task/*/status | awk '/ctxt_switches/ {n += $2} END {print n}'
 }
 
 run() { # $1 = label, $2 = binary
-  local port pid before
+  local port pid before url db_pid=()
   port=$(free_port)
-  "$2" serve --listen "127.0.0.1:$port" --database-url "sqlite:$WORK/$1.db" \
+  if [ "$STORE" = postgres ]; then
+    "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "${1//-/_}"
+    url="postgres://postgres@127.0.0.1:$PGPORT/${1//-/_}"
+    db_pid=(--database-pid "$PG_PID")
+  else
+    url="sqlite:$WORK/$1.db"
+  fi
+  "$2" serve --listen "127.0.0.1:$port" --database-url "$url" \
     --api-key bench=tok_bench --key-secret bench-secret --max-connections 64 \
     >"$WORK/serve-$1.log" 2>&1 &
   pid=$!
@@ -40,7 +55,7 @@ run() { # $1 = label, $2 = binary
   before=$(switches "$pid")
   "$AFTER" bench --url "http://127.0.0.1:$port" --token tok_bench --mode fresh \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --duration 120s \
-    --server-pid "$pid" --json >"$OUT/pairs-$1.json"
+    --server-pid "$pid" "${db_pid[@]}" --json >"$OUT/pairs-$1.json"
   echo "$(($(switches "$pid") - before))" >"$OUT/pairs-$1.switches"
   kill "$pid"
   wait "$pid" 2>/dev/null || true
@@ -49,15 +64,25 @@ import json, sys
 label, path, switches = sys.argv[1], sys.argv[2], int(open(sys.argv[3]).read())
 r = json.load(open(path))
 fresh = next(p for p in r["phases"] if p["name"] == "fresh")
+base = next(p for p in r["phases"] if p["name"] == "baseline")
 total = sum(p["requests"] for p in r["phases"])
+db = fresh.get("database_cpu_us_per_request")
 print(f'{label:<12} {fresh["requests_per_second"]:7.0f} req/s · '
       f'{fresh["server_cpu_us_per_request"]:4.0f} µs · p99 {fresh["p99_ms"]:5.1f} ms · '
-      f'{switches / total:4.1f} switches/req · {fresh["statuses"]} · '
+      f'/ baseline {fresh["requests_per_second"] / base["requests_per_second"]:.2f} '
+      f'({base["requests_per_second"]:.0f} req/s, {base["server_cpu_us_per_request"]:.0f} µs) · '
+      + (f'database {db:.0f} µs · ' if db is not None else '')
+      + f'{switches / total:4.1f} switches/req · {fresh["statuses"]} · '
       f'duplicates {(r.get("effects") or {}).get("duplicates")}')
 PY
 }
 
 for pair in $(seq "$PAIRS"); do
-  run "before-$pair" "$BEFORE"
-  run "after-$pair" "$AFTER"
+  if [ $((pair % 2)) = 1 ]; then
+    run "before-$pair" "$BEFORE"
+    run "after-$pair" "$AFTER"
+  else
+    run "after-$pair" "$AFTER"
+    run "before-$pair" "$BEFORE"
+  fi
 done
