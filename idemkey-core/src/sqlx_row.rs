@@ -231,10 +231,10 @@ pub fn classify_error(error: sqlx::Error, is_busy: impl Fn(&str) -> bool) -> Sto
 }
 
 /// Whether `error` says the connection itself is gone (the socket failed, or the server
-/// ended the session: SQLSTATE class 08, or 57P01 admin shutdown), as opposed to a refused
-/// statement, a pool time-out or a closed pool. Classified by kind and code, never by
-/// message. A store may retry a statement that has no effect of its own (`BEGIN`) on
-/// another connection after such an error.
+/// ended the session: see `is_connection_sqlstate`), as opposed to a refused statement, a
+/// pool time-out or a closed pool. Classified by kind and code, never by message. A store
+/// may retry a statement that has no effect of its own (`BEGIN`) on another connection
+/// after such an error.
 pub fn is_connection_lost(error: &sqlx::Error) -> bool {
     match error {
         sqlx::Error::Io(_) => true,
@@ -243,10 +243,13 @@ pub fn is_connection_lost(error: &sqlx::Error) -> bool {
     }
 }
 
-/// SQLSTATE class 08: connection exception; 57P01: admin shutdown (the backend was
-/// terminated).
+/// The SQLSTATEs with which the server ends a session: class 08 (connection exception),
+/// 57P01 admin_shutdown (the backend was terminated), 57P02 crash_shutdown, 57P05
+/// idle_session_timeout, 25P03 idle_in_transaction_session_timeout and 25P04
+/// transaction_timeout. A connection that sat idle in a transaction past the server's
+/// time-out answers its next message with 25P03.
 fn is_connection_sqlstate(code: &str) -> bool {
-    code.starts_with("08") || code == "57P01"
+    code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P05" | "25P03" | "25P04")
 }
 
 /// Implements [`OutboxStore`](crate::outbox::OutboxStore) for a sqlx store: the Rust side is

@@ -1207,6 +1207,71 @@ mod tests {
         assert_eq!(in_transaction, 0);
     }
 
+    /// A kept connection sits in the empty transaction `COMMIT; BEGIN` leaves; a server whose
+    /// `idle_in_transaction_session_timeout` ends it meanwhile answers its next message with
+    /// SQLSTATE 25P03. The next claim then begins on another connection, as after any lost
+    /// one, and goes through.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_connection_the_server_timed_out_is_replaced() {
+        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
+            .await
+            .expect("fresh database");
+        let options = PgConnectOptions::from_str(&url)
+            .expect("url")
+            .options([("idle_in_transaction_session_timeout", "100ms")]);
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .test_before_acquire(false)
+            .connect_with(options)
+            .await
+            .expect("connect");
+        let mut store = PgStore::new(pool);
+        store.migrate().await.expect("migrate");
+        // Kept for good, so that only the server can end it.
+        store.kept = Kept::with_idle(store.pool(), Duration::from_secs(3600));
+        let now = Timestamp::now();
+
+        let first = claim("timed-out-first", now);
+        let (mut tx, token) = begin_owned(&store, &first).await;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await
+            .expect("backend");
+        store
+            .complete_and_commit(tx, &first.id, token, &created(), now)
+            .await
+            .expect("committed");
+        assert_eq!(store.kept.len(), 1);
+        // The server's timer is the only signal: watch for the backend to be gone.
+        let mut admin = <PgConnection as sqlx::Connection>::connect(&url)
+            .await
+            .expect("admin");
+        let gone = async {
+            loop {
+                let alive: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE pid = $1")
+                        .bind(pid)
+                        .fetch_one(&mut admin)
+                        .await
+                        .expect("pg_stat_activity");
+                if alive == 0 {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), gone)
+            .await
+            .expect("the server ended the kept connection's session");
+
+        let second = claim("timed-out-second", now);
+        let (tx, token) = begin_owned(&store, &second).await;
+        store
+            .complete_and_commit(tx, &second.id, token, &created(), now)
+            .await
+            .expect("committed on another connection");
+    }
+
     /// The table does not check the record's state (migration 0006), so the read does: a
     /// state none of the store's statements writes is `Corrupt`, both when the record is
     /// read and when a retry's claim finds it, and nothing is replayed from it.
