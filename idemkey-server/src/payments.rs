@@ -181,7 +181,8 @@ fn unavailable(error: &sqlx::Error) -> Option<&'static str> {
                 Some("the database is out of resources")
             } else if code == "25006" {
                 Some("the database is read-only")
-            } else if code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03") {
+            } else if idemkey_core::is_connection_lost(error) || code == "57P03" {
+                // 57P03: the server cannot take connections now (starting, stopping).
                 Some("the connection to the database was lost")
             } else {
                 None

@@ -336,11 +336,11 @@ fn database_unreachable(error: &anyhow::Error) -> bool {
                 | sqlx::Error::Tls(_)
                 | sqlx::Error::PoolTimedOut
                 | sqlx::Error::Protocol(_) => true,
-                sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-                    // 08: connection exception; 57P01-57P03: admin / crash shutdown,
-                    // cannot connect now (starting up or shutting down).
-                    code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
-                }),
+                // A session the server ended, or 57P03: it cannot take connections now
+                // (starting up or shutting down).
+                sqlx::Error::Database(db) => {
+                    idemkey_core::is_connection_lost(e) || db.code().is_some_and(|c| c == "57P03")
+                }
                 _ => false,
             };
         }
