@@ -217,9 +217,10 @@ fn code(e: &sqlx::Error) -> Option<String> {
 }
 
 impl PgStore {
-    /// Begins a transaction with `statement` (`None`: `BEGIN`) on a pooled connection.
+    /// Begins a transaction with `statement` (`None`: `BEGIN`) on a kept connection
+    /// (`crate::kept`), else a pooled one.
     ///
-    /// Pooled connections are not pinged before use, so a connection the server dropped
+    /// Neither kept nor pooled connections are pinged before use, so a connection the server dropped
     /// while it sat idle (a restart, a terminated backend, an idle time-out) fails here, at
     /// its first message. Nothing of a transaction that did not commit survives its
     /// connection, so beginning again on another connection is safe. The failed connection
@@ -907,7 +908,7 @@ impl Store for PgStore {
 mod tests {
     use idemkey_core::RecordState;
     use idemkey_core::protocol::{self, ClaimOutcome};
-    use idemkey_testkit::conformance::{begin_owned, claim_at, record_id};
+    use idemkey_testkit::conformance::{begin_owned, claim_at, record_id, response};
 
     use super::*;
 
@@ -960,15 +961,6 @@ mod tests {
         let store = PgStore::new(pool);
         store.migrate().await.expect("migrate");
         (store, url)
-    }
-
-    /// A 201 with an empty JSON object.
-    fn created() -> StoredResponse {
-        StoredResponse {
-            status: 201,
-            headers: Vec::new(),
-            body: b"{}".to_vec(),
-        }
     }
 
     /// The grouped completion is planned with the table as it is: on a table of thousands
@@ -1081,7 +1073,7 @@ mod tests {
                 .expect("effect");
         };
         let now = Timestamp::now();
-        let response = created();
+        let response = response("{}");
 
         let first = claim("kept-first", now);
         let (mut tx, token) = begin_owned(&store, &first).await;
@@ -1228,7 +1220,7 @@ mod tests {
             .await
             .expect("backend");
         store
-            .complete_and_commit(tx, &first.id, token, &created(), now)
+            .complete_and_commit(tx, &first.id, token, &response("{}"), now)
             .await
             .expect("committed");
         assert_eq!(store.kept.len(), 1);
@@ -1257,7 +1249,7 @@ mod tests {
         let second = claim("timed-out-second", now);
         let (tx, token) = begin_owned(&store, &second).await;
         store
-            .complete_and_commit(tx, &second.id, token, &created(), now)
+            .complete_and_commit(tx, &second.id, token, &response("{}"), now)
             .await
             .expect("committed on another connection");
     }
@@ -1271,7 +1263,7 @@ mod tests {
         let now = Timestamp::now();
         let claim = claim("unknown-state", now);
         let (tx, token) = begin_owned(&store, &claim).await;
-        let response = created();
+        let response = response("{}");
         store
             .complete_and_commit(tx, &claim.id, token, &response, now)
             .await

@@ -6,11 +6,11 @@ use std::time::Duration;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{
     Fingerprint, FingerprintSpec, IdempotencyKey, Inserted, KeyHasher, NewRecord, RecordState,
-    RequestParts, Scope, Store, StoredResponse, Timestamp,
+    RequestParts, Scope, Store, Timestamp,
 };
 use idemkey_postgres::PgStore;
 use idemkey_testkit::Harness;
-use idemkey_testkit::conformance::begin_owned;
+use idemkey_testkit::conformance::{begin_owned, response};
 use sqlx::Connection;
 use sqlx::postgres::PgConnection;
 
@@ -100,14 +100,6 @@ fn json_fingerprint(body: &[u8]) -> Fingerprint {
     )
 }
 
-fn created() -> StoredResponse {
-    StoredResponse {
-        status: 201,
-        headers: Vec::new(),
-        body: b"{}".to_vec(),
-    }
-}
-
 /// A claim that waited on the owner's uncommitted row cannot see the row in its own
 /// statement once the owner commits (the statement's snapshot predates the commit): the
 /// insert answers `Conflict`, and the protocol's separate read finds the completed record
@@ -117,6 +109,7 @@ async fn claim_that_waited_on_the_owner_reads_the_record_after_it() {
     let h = PgHarness::new().await;
     let store = h.store.clone();
     let claim = test_claim(b"waited-on");
+    let stored = response("{}");
     let mut owner = store.begin().await.expect("begin");
     let outcome = protocol::claim(&store, &mut owner, &claim)
         .await
@@ -125,7 +118,7 @@ async fn claim_that_waited_on_the_owner_reads_the_record_after_it() {
         panic!("{outcome:?}")
     };
     h.write_effect(&mut owner, "waited-on").await;
-    protocol::complete(&store, &mut owner, &claim.id, token, &created())
+    protocol::complete(&store, &mut owner, &claim.id, token, &stored)
         .await
         .expect("complete");
 
@@ -171,7 +164,7 @@ async fn claim_that_waited_on_the_owner_reads_the_record_after_it() {
     let (inserted, outcome) = waiter.await.expect("waiter");
     assert_eq!(inserted, Inserted::Conflict);
     assert!(
-        matches!(&outcome, ClaimOutcome::Replay { response, .. } if *response == created()),
+        matches!(&outcome, ClaimOutcome::Replay { response, .. } if *response == stored),
         "{outcome:?}"
     );
     assert_eq!(h.count_effects().await, 1);
@@ -221,7 +214,7 @@ async fn begin_survives_terminated_idle_connections() {
     let (mut tx, token) = begin_owned(store, &claim).await;
     h.write_effect(&mut tx, "after-terminate").await;
     store
-        .complete_and_commit(tx, &claim.id, token, &created(), claim.now)
+        .complete_and_commit(tx, &claim.id, token, &response("{}"), claim.now)
         .await
         .expect("complete and commit");
     assert_eq!(h.count_effects().await, 1);
@@ -260,7 +253,7 @@ async fn pipelined_transactions_leave_no_connection_in_a_transaction() {
         let (mut tx, token) = begin_owned(&store, &claim).await;
         h.write_effect(&mut tx, "fenced").await;
         let refused = store
-            .complete_and_commit(tx, &claim.id, token + 1, &created(), claim.now)
+            .complete_and_commit(tx, &claim.id, token + 1, &response("{}"), claim.now)
             .await;
         assert!(
             matches!(refused, Err(idemkey_core::CommitError::Fenced)),
@@ -321,7 +314,7 @@ async fn a_transaction_begun_on_the_claims_is_a_savepoint() {
     }
     h.write_effect(&mut tx, "outer").await;
     store
-        .complete_and_commit(tx, &claim.id, token, &created(), claim.now)
+        .complete_and_commit(tx, &claim.id, token, &response("{}"), claim.now)
         .await
         .expect("complete and commit");
     let labels: Vec<String> = sqlx::query_scalar("SELECT label FROM effects ORDER BY label")
@@ -356,7 +349,7 @@ async fn a_bounded_claim_on_a_held_key_is_in_flight() {
         "{waited:?}"
     );
     store
-        .complete_and_commit(owner, &claim.id, token, &created(), claim.now)
+        .complete_and_commit(owner, &claim.id, token, &response("{}"), claim.now)
         .await
         .expect("complete and commit");
     let again = run_pipelined(&h, store, &claim, "again").await;

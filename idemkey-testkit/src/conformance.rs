@@ -77,7 +77,8 @@ pub fn claim_at(id: &RecordId, body: u8, now: Timestamp) -> Claim {
     }
 }
 
-fn response(body: &str) -> StoredResponse {
+/// A 201 JSON response with `body`, as the conformance tests store it.
+pub fn response(body: &str) -> StoredResponse {
     StoredResponse {
         status: 201,
         headers: vec![
