@@ -23,6 +23,9 @@
 # Defaults: 10000000 100000 20000 32. STORES="sqlite postgres" picks the stores, ROUNDS=2,
 # PURGE=0 skips the purge run, PURGE_WAIT=1800 bounds the wait for the purge's end (seconds;
 # past it, the reference without a purge is the scale run's large server only).
+# BULK_ORDER=written loads rows in the order records are written (rows that expire together
+# share pages) instead of the default scrambled order (scripts/lib/bulk.sh); ROUNDS=0 runs
+# the purge part alone.
 # Needs ~7 GB of disk per 10^7 records (twice that for the purge run); each database is
 # deleted as soon as it is measured. Figures: $OUT/scale.md (OUT=target/bench-results).
 set -euo pipefail

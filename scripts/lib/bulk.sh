@@ -11,9 +11,25 @@
 #
 # `live` rows were created over the last day and expire within the next (24 h retention);
 # `expired` rows expired over the day before now, so the purge deletes every one of them.
+#
+# BULK_ORDER says where a row's time falls against its place in the table:
+#   scrambled (the default)  row i at (i * 7919 ms) mod 24 h: rows that expire together lie
+#                            ~10 000 rows apart, so a purge batch touches one page per row
+#                            (the worst case for the purge's writes)
+#   written                  row i at i / COUNT of the day: the order records are written in,
+#                            with one retention for all, so rows that expire together share
+#                            pages
 
 # Response headers of a real 201 (content-type, location), as stored.
 BULK_HEADERS=000C636F6E74656E742D74797065000000106170706C69636174696F6E2F6A736F6E00086C6F636174696F6E000000292F76312F7061796D656E74732F7061795F663931396330303332393763316563346362313732316435
+
+bulk_offset() { # $1 = row count: the SQL offset of row i in its day, in ms (BULK_ORDER)
+  case ${BULK_ORDER:-scrambled} in
+    scrambled) echo "(i * 7919) % 86400000" ;;
+    written) echo "(i * 86400000 / $1)" ;;
+    *) echo "bulk: BULK_ORDER is scrambled or written, not $BULK_ORDER" >&2; return 1 ;;
+  esac
+}
 
 bulk_created_ms() { # $1 = live|expired: the SQL start of the created_at window, in ms
   local now; now=$(date +%s%3N)
@@ -25,8 +41,9 @@ bulk_created_ms() { # $1 = live|expired: the SQL start of the created_at window,
 }
 
 bulk_sqlite() {
-  local db=$1 count=$2 from
+  local db=$1 count=$2 from at
   from=$(bulk_created_ms "$3") || return 1
+  at=$(bulk_offset "$count") || return 1
   # Off for the load only: the server opens the file in WAL mode again.
   sqlite3 "$db" >/dev/null <<SQL
 PRAGMA journal_mode = OFF;
@@ -42,16 +59,16 @@ SELECT CASE WHEN i % 10 = 0 THEN 'bulk-' || (i % 97) ELSE 'bench' END,
        2, NULL, 201, X'$BULK_HEADERS',
        CAST(printf('{"id":"pay_%024x","amount":%d,"currency":"EUR","customer":"bulk-%d","description":"load test","status":"succeeded","created_at":"2026-01-01T00:00:00.000Z"}',
                    i, 100 + i % 9000, i % 1000) AS BLOB),
-       $from + (i * 7919) % 86400000, $from + (i * 7919) % 86400000 + 1,
-       $from + (i * 7919) % 86400000 + 86400000, NULL, X'01' || randomblob(80)
+       $from + $at, $from + $at + 1, $from + $at + 86400000, NULL, X'01' || randomblob(80)
   FROM n;
 COMMIT;
 SQL
 }
 
 bulk_pg() {
-  local url=$1 count=$2 from
+  local url=$1 count=$2 from at
   from=$(bulk_created_ms "$3") || return 1
+  at=$(bulk_offset "$count") || return 1
   psql -q -v ON_ERROR_STOP=1 "$url" <<SQL
 SET maintenance_work_mem = '1GB';
 BEGIN;
@@ -67,8 +84,7 @@ SELECT CASE WHEN i % 10 = 0 THEN 'bulk-' || (i % 97) ELSE 'bench' END,
        2, NULL, 201, '\x$BULK_HEADERS'::bytea,
        convert_to(format('{"id":"pay_%s","amount":%s,"currency":"EUR","customer":"bulk-%s","description":"load test","status":"succeeded","created_at":"2026-01-01T00:00:00.000Z"}',
                          lpad(to_hex(i), 24, '0'), 100 + i % 9000, i % 1000), 'UTF8'),
-       $from + (i * 7919) % 86400000, $from + (i * 7919) % 86400000 + 1,
-       $from + (i * 7919) % 86400000 + 86400000, NULL,
+       $from + $at, $from + $at + 1, $from + $at + 86400000, NULL,
        '\x01'::bytea || sha256(seed || int8send(i) || '\x04'::bytea)
            || sha256(seed || int8send(i) || '\x05'::bytea)
            || substring(sha256(seed || int8send(i) || '\x06'::bytea) FROM 1 FOR 16)
