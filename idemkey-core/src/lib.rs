@@ -53,5 +53,7 @@ pub use self::sqlx_row::{
     AuditRow, MessageRow, OutboxAuditRow, RecordRow, bind_completion, classify_error,
     is_connection_lost,
 };
-pub use self::store::{Begun, BoxError, CommitError, Inserted, ListFilter, Store, StoreError};
+pub use self::store::{
+    Begun, BoxError, CommitError, Inserted, ListFilter, Purged, Store, StoreError,
+};
 pub use self::time::{Clock, SystemClock, Timestamp};

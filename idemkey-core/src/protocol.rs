@@ -534,17 +534,20 @@ pub async fn resolve<S: Store>(
     Ok(record)
 }
 
-/// Deletes every record expired at `now`, `batch` rows per statement, each batch committed
-/// on its own so live traffic is never blocked for long. Returns how many it deleted.
+/// Deletes every record expired at `now`, `batch` rows per statement, the earliest expiry
+/// first, each batch committed on its own so live traffic is never blocked for long. Returns
+/// how many it deleted.
 pub async fn purge_expired<S: Store>(store: &S, now: Timestamp, batch: u32) -> Result<u64> {
     let batch = batch.max(1);
     let mut total = 0;
+    let mut from = None;
     let mut conn = store.acquire().await?;
     loop {
-        let n = store.purge_batch(&mut conn, now, batch).await?;
-        total += n;
-        if n < u64::from(batch) {
+        let purged = store.purge_batch(&mut conn, now, from, batch).await?;
+        total += purged.deleted;
+        if purged.deleted < u64::from(batch) {
             return Ok(total);
         }
+        from = purged.through;
     }
 }

@@ -81,6 +81,16 @@ pub enum Begun<T> {
     Held,
 }
 
+/// What one [`Store::purge_batch`] deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Purged {
+    /// How many records it deleted.
+    pub deleted: u64,
+    /// The latest expiry among them (`None` when it deleted none): where the round's next
+    /// batch starts. Inclusive, since other records may share that millisecond.
+    pub through: Option<Timestamp>,
+}
+
 /// Filters for [`Store::list`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ListFilter {
@@ -316,14 +326,18 @@ pub trait Store: Clone + Send + Sync + 'static {
         id: &RecordId,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Deletes at most `batch` records expired at `now`, skipping rows that live traffic has
-    /// locked. Returns how many it deleted.
+    /// Deletes at most `batch` records expired at `now`, the earliest expiry first, skipping
+    /// rows that live traffic has locked; with `from`, only records that expired at `from` or
+    /// later. A round of batches passes each batch's [`Purged::through`] as the next one's
+    /// `from`, so a batch seeks past what the batches before it deleted instead of reading it
+    /// again (on PostgreSQL, deleted rows stay in the index until vacuumed).
     fn purge_batch(
         &self,
         conn: &mut Self::Connection,
         now: Timestamp,
+        from: Option<Timestamp>,
         batch: u32,
-    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Purged, StoreError>> + Send;
 
     /// Appends an entry to the audit trail.
     fn append_audit(

@@ -4,8 +4,8 @@ use std::time::Duration;
 use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
     AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
-    ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse,
-    Timestamp, bind_completion, classify_error, is_connection_lost,
+    ListFilter, Members, NewRecord, Purged, Record, RecordId, RecordRow, Store, StoreError,
+    StoredResponse, Timestamp, bind_completion, classify_error, is_connection_lost,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
@@ -811,25 +811,39 @@ impl Store for PgStore {
         &self,
         conn: &mut PgConnection,
         now: Timestamp,
+        from: Option<Timestamp>,
         batch: u32,
-    ) -> Result<u64, StoreError> {
-        // SKIP LOCKED: rows that live traffic holds (a takeover in progress) are left for
-        // the next round instead of blocking it.
-        let done = sqlx::query(
-            "DELETE FROM idemkey_records
-              WHERE (tenant, key_hash, route) IN
-                    (SELECT tenant, key_hash, route FROM idemkey_records
-                      WHERE expires_at <= $1
-                      LIMIT $2
-                        FOR UPDATE SKIP LOCKED)
-                AND expires_at <= $1",
+    ) -> Result<Purged, StoreError> {
+        // In `expires_at` order, so the index is read from `from` on: without the order the
+        // planner may pick a sequential scan, expecting expired rows all over the table,
+        // and read gigabytes of live and deleted rows before finding a batch. SKIP LOCKED:
+        // rows that live traffic holds (a takeover in progress) are left for the next round
+        // instead of blocking it. The rows are deleted by `ctid`, not looked up again by
+        // primary key: this statement holds their locks, so no other can move them first.
+        let (deleted, through): (i64, Option<i64>) = sqlx::query_as(
+            "WITH gone AS (
+                 DELETE FROM idemkey_records
+                  WHERE ctid = ANY (ARRAY(
+                            SELECT ctid FROM idemkey_records
+                             WHERE expires_at <= $1 AND expires_at >= $2
+                             ORDER BY expires_at
+                             LIMIT $3
+                               FOR UPDATE SKIP LOCKED))
+                    AND expires_at <= $1
+                 RETURNING expires_at
+             )
+             SELECT count(*), max(expires_at) FROM gone",
         )
         .bind(now.as_millis())
+        .bind(from.map_or(i64::MIN, Timestamp::as_millis))
         .bind(i64::from(batch))
-        .execute(conn)
+        .fetch_one(conn)
         .await
         .map_err(error)?;
-        Ok(done.rows_affected())
+        Ok(Purged {
+            deleted: u64::try_from(deleted).unwrap_or(0),
+            through: through.map(Timestamp),
+        })
     }
 
     async fn append_audit(

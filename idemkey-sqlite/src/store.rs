@@ -6,8 +6,8 @@ use std::time::Duration;
 use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
     AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
-    ListFilter, Members, NewRecord, Record, RecordId, RecordRow, Store, StoreError, StoredResponse,
-    Timestamp, bind_completion, classify_error,
+    ListFilter, Members, NewRecord, Purged, Record, RecordId, RecordRow, Store, StoreError,
+    StoredResponse, Timestamp, bind_completion, classify_error,
 };
 use sqlx::Sqlite;
 use sqlx::migrate::{MigrateError, Migrator};
@@ -845,20 +845,29 @@ impl Store for SqliteStore {
         &self,
         conn: &mut SqliteConnection,
         now: Timestamp,
+        from: Option<Timestamp>,
         batch: u32,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<Purged, StoreError> {
         // SQLite has one writer at a time, so there are no locked rows to skip; a small
         // batch keeps the write lock short.
-        let done = sqlx::query(
+        let gone: Vec<i64> = sqlx::query_scalar(
             "DELETE FROM idemkey_records WHERE rowid IN
-                (SELECT rowid FROM idemkey_records WHERE expires_at <= ?1 LIMIT ?2)",
+                (SELECT rowid FROM idemkey_records
+                  WHERE expires_at <= ?1 AND expires_at >= ?2
+                  ORDER BY expires_at
+                  LIMIT ?3)
+             RETURNING expires_at",
         )
         .bind(now.as_millis())
+        .bind(from.map_or(i64::MIN, Timestamp::as_millis))
         .bind(i64::from(batch))
-        .execute(conn)
+        .fetch_all(conn)
         .await
         .map_err(error)?;
-        Ok(done.rows_affected())
+        Ok(Purged {
+            deleted: gone.len() as u64,
+            through: gone.into_iter().max().map(Timestamp),
+        })
     }
 
     async fn append_audit(

@@ -9,8 +9,8 @@ use std::time::Duration;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease, Resolution};
 use idemkey_core::{
     Fingerprint, FingerprintParts, FingerprintSpec, IdempotencyKey, Inserted, KeyHasher,
-    ListFilter, NewRecord, RecordId, RecordState, RequestParts, Scope, Store, StoredResponse,
-    Timestamp,
+    ListFilter, NewRecord, Purged, RecordId, RecordState, RequestParts, Scope, Store,
+    StoredResponse, Timestamp,
 };
 use tokio::sync::Barrier;
 
@@ -554,7 +554,11 @@ pub async fn purge_removes_expired_records_in_batches<H: Harness>(h: H) {
     let now = Timestamp::now();
     let mut conn = store.acquire().await.expect("acquire");
     assert_eq!(
-        store.purge_batch(&mut conn, now, 10).await.expect("purge"),
+        store
+            .purge_batch(&mut conn, now, None, 10)
+            .await
+            .expect("purge")
+            .deleted,
         10
     );
     drop(conn);
@@ -571,6 +575,61 @@ pub async fn purge_removes_expired_records_in_batches<H: Harness>(h: H) {
         .expect("list");
     assert_eq!(left.len(), 5);
     assert!(left.iter().all(|r| !r.is_expired(now)));
+}
+
+/// A purge batch deletes the earliest expiries first, from the expiry it is given on, and
+/// says where the next batch starts.
+pub async fn purge_takes_the_earliest_expiry_first_from_where_it_is_told<H: Harness>(h: H) {
+    let store = h.store();
+    let old = Timestamp::now().minus(RETENTION + HOUR);
+    // Written out of expiry order: record `i` expired `i` minutes after record 0.
+    for i in [3, 0, 5, 1, 4, 2] {
+        let id = record_id("t1", "/v1/payments", &format!("old-{i}"));
+        let at = old.plus(Duration::from_secs(60 * i));
+        run_once(&h, &claim_at(&id, 1, at), "old", "{}").await;
+    }
+    let expiry = |i: u64| old.plus(Duration::from_secs(60 * i)).plus(RETENTION);
+    let now = Timestamp::now();
+    let mut conn = store.acquire().await.expect("acquire");
+    let first = store
+        .purge_batch(&mut conn, now, None, 2)
+        .await
+        .expect("purge");
+    assert_eq!((first.deleted, first.through), (2, Some(expiry(1))));
+    assert_eq!(
+        minutes_after(store, &mut conn, expiry(0)).await,
+        [2, 3, 4, 5]
+    );
+    // From record 4's expiry on: record 2 and 3 expired before it and stay.
+    let from = store
+        .purge_batch(&mut conn, now, Some(expiry(4)), 10)
+        .await
+        .expect("purge");
+    assert_eq!((from.deleted, from.through), (2, Some(expiry(5))));
+    assert_eq!(minutes_after(store, &mut conn, expiry(0)).await, [2, 3]);
+    let none = store
+        .purge_batch(&mut conn, now, Some(expiry(5)), 10)
+        .await
+        .expect("purge");
+    assert_eq!(none, Purged::default());
+    drop(conn);
+    assert_eq!(
+        protocol::purge_expired(store, now, 1).await.expect("purge"),
+        2
+    );
+}
+
+/// The expiries of the records left, in minutes after `base`, earliest first.
+async fn minutes_after<S: Store>(store: &S, conn: &mut S::Connection, base: Timestamp) -> Vec<i64> {
+    let mut minutes: Vec<i64> = store
+        .list(conn, &ListFilter::default())
+        .await
+        .expect("list")
+        .iter()
+        .map(|r| (r.expires_at.as_millis() - base.as_millis()) / 60_000)
+        .collect();
+    minutes.sort_unstable();
+    minutes
 }
 
 /// The same key in two tenants, or on two routes, names two independent records.
@@ -1140,6 +1199,7 @@ macro_rules! conformance_tests {
             scope_text_is_stored_as_given,
             expired_record_is_claimed_anew,
             purge_removes_expired_records_in_batches,
+            purge_takes_the_earliest_expiry_first_from_where_it_is_told,
             scopes_are_independent,
             reservation_holds_the_key_while_leased,
             takeover_before_point_of_no_return_fences_the_stale_owner,

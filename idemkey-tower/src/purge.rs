@@ -32,7 +32,8 @@ fn next_batch(batch: u32, took: Duration) -> u32 {
     }
 }
 
-/// One round of the purge: batches of expired records until one comes back short. Each
+/// One round of the purge: batches of expired records, the earliest expiry first, each
+/// starting where the one before it ended, until one comes back short. Each
 /// batch is a transaction of its own, so on SQLite it takes its turn in the store's writer
 /// queue like any request rather than contending for the write lock; after each batch the
 /// purge pauses as long as the batch took, so it holds the store at most half the time
@@ -44,15 +45,17 @@ async fn purge_round<S: Store>(
     batch: &mut u32,
 ) -> Result<u64, StoreError> {
     let mut total = 0;
+    let mut from = None;
     loop {
         let started = Instant::now();
         let mut tx = store.begin().await?;
-        let n = store.purge_batch(&mut tx, now, *batch).await?;
+        let purged = store.purge_batch(&mut tx, now, from, *batch).await?;
         store.commit(tx).await?;
-        total += n;
-        if n < u64::from(*batch) {
+        total += purged.deleted;
+        if purged.deleted < u64::from(*batch) {
             return Ok(total);
         }
+        from = purged.through;
         let took = started.elapsed();
         *batch = next_batch(*batch, took);
         tokio::time::sleep(took).await;
