@@ -51,7 +51,7 @@ pub use self::scope::{KeyHasher, RecordId, Scope};
 #[cfg(feature = "sqlx")]
 pub use self::sqlx_row::{
     AuditRow, MessageRow, OutboxAuditRow, RecordRow, bind_completion, classify_error,
-    is_connection_lost,
+    is_connection_lost, is_database_unavailable,
 };
 pub use self::store::{
     Begun, BoxError, CommitError, Inserted, ListFilter, Purged, Store, StoreError,

@@ -243,6 +243,15 @@ pub fn is_connection_lost(error: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether `error` says the database cannot be used now for want of a connection: the
+/// connection is lost ([`is_connection_lost`]), or the server refuses new ones while it
+/// starts up or shuts down (SQLSTATE 57P03 cannot_connect_now). A store does not retry on
+/// 57P03 (there is no other server to begin on); a server answers 503 and waits at start.
+pub fn is_database_unavailable(error: &sqlx::Error) -> bool {
+    is_connection_lost(error)
+        || matches!(error, sqlx::Error::Database(db) if db.code().is_some_and(|c| c == "57P03"))
+}
+
 /// The SQLSTATEs with which the server ends a session: class 08 (connection exception),
 /// 57P01 admin_shutdown (the backend was terminated), 57P02 crash_shutdown, 57P05
 /// idle_session_timeout, 25P03 idle_in_transaction_session_timeout and 25P04

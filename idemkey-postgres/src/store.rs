@@ -220,9 +220,9 @@ impl PgStore {
     /// Begins a transaction with `statement` (`None`: `BEGIN`) on a kept connection
     /// (`crate::kept`), else a pooled one.
     ///
-    /// Neither kept nor pooled connections are pinged before use, so a connection the server dropped
-    /// while it sat idle (a restart, a terminated backend, an idle time-out) fails here, at
-    /// its first message. Nothing of a transaction that did not commit survives its
+    /// Neither kept nor pooled connections are pinged before use, so a connection the server
+    /// dropped while it sat idle (a restart, a terminated backend, an idle time-out) fails
+    /// here, at its first message. Nothing of a transaction that did not commit survives its
     /// connection, so beginning again on another connection is safe. The failed connection
     /// is closed, not returned; after a restart every idle one is dead, so the attempts are
     /// bounded by the pool size (plus one new connection), not one: the first request

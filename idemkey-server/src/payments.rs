@@ -181,8 +181,7 @@ fn unavailable(error: &sqlx::Error) -> Option<&'static str> {
                 Some("the database is out of resources")
             } else if code == "25006" {
                 Some("the database is read-only")
-            } else if idemkey_core::is_connection_lost(error) || code == "57P03" {
-                // 57P03: the server cannot take connections now (starting, stopping).
+            } else if idemkey_core::is_database_unavailable(error) {
                 Some("the connection to the database was lost")
             } else {
                 None

@@ -336,11 +336,7 @@ fn database_unreachable(error: &anyhow::Error) -> bool {
                 | sqlx::Error::Tls(_)
                 | sqlx::Error::PoolTimedOut
                 | sqlx::Error::Protocol(_) => true,
-                // A session the server ended, or 57P03: it cannot take connections now
-                // (starting up or shutting down).
-                sqlx::Error::Database(db) => {
-                    idemkey_core::is_connection_lost(e) || db.code().is_some_and(|c| c == "57P03")
-                }
+                sqlx::Error::Database(_) => idemkey_core::is_database_unavailable(e),
                 _ => false,
             };
         }
