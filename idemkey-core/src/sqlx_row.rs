@@ -9,25 +9,26 @@ use crate::{
     StoreError, StoredResponse, Timestamp,
 };
 
-/// One row of `idemkey_records`, as both stores select it.
+/// One row of `idemkey_records`, as the stores select it (`SELECT *`), column by column.
+#[allow(missing_docs)] // The columns, named as in the table.
 #[derive(Debug, sqlx::FromRow)]
 pub struct RecordRow {
-    tenant: String,
-    key_hash: Vec<u8>,
-    route: String,
-    fingerprint: Vec<u8>,
-    fingerprint_parts: Vec<u8>,
-    state: String,
-    token: i64,
-    lease_expires_at: Option<i64>,
-    response_status: Option<i32>,
-    response_headers: Option<Vec<u8>>,
-    response_body: Option<Vec<u8>>,
-    created_at: i64,
-    updated_at: i64,
-    expires_at: i64,
-    sealed_key: Option<Vec<u8>>,
-    fingerprint_members: Option<Vec<u8>>,
+    pub tenant: String,
+    pub key_hash: Vec<u8>,
+    pub route: String,
+    pub fingerprint: Vec<u8>,
+    pub fingerprint_parts: Vec<u8>,
+    pub state: String,
+    pub token: i64,
+    pub lease_expires_at: Option<i64>,
+    pub response_status: Option<i32>,
+    pub response_headers: Option<Vec<u8>>,
+    pub response_body: Option<Vec<u8>>,
+    pub created_at: i64,
+    pub updated_at: i64,
+    pub expires_at: i64,
+    pub sealed_key: Option<Vec<u8>>,
+    pub fingerprint_members: Option<Vec<u8>>,
 }
 
 impl TryFrom<RecordRow> for Record {
@@ -81,16 +82,17 @@ impl TryFrom<RecordRow> for Record {
     }
 }
 
-/// One row of `idemkey_audit`, as both stores select it.
+/// One row of `idemkey_audit`, as the stores select it, column by column.
+#[allow(missing_docs)] // The columns, named as in the table.
 #[derive(Debug, sqlx::FromRow)]
 pub struct AuditRow {
-    tenant: String,
-    key_hash: Vec<u8>,
-    route: String,
-    at: i64,
-    actor: String,
-    action: String,
-    detail: String,
+    pub tenant: String,
+    pub key_hash: Vec<u8>,
+    pub route: String,
+    pub at: i64,
+    pub actor: String,
+    pub action: String,
+    pub detail: String,
 }
 
 impl TryFrom<AuditRow> for AuditEntry {

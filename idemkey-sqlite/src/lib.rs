@@ -17,8 +17,13 @@
 //! not in SQLite's sleeping busy handler. Each claim transaction should still be short.
 
 mod outbox;
+mod rusqlite_store;
+mod sql;
 mod store;
 mod writer;
 
+pub use self::rusqlite_store::{RusqliteConnection, RusqliteStore, RusqliteTransaction};
 pub use self::store::{EVICTION_POLL, SqliteStore};
 pub use self::writer::{SqlitePooledConnection, SqliteTransaction};
+/// The rusqlite this crate's [`RusqliteStore`] is built on, for the application's effects.
+pub use rusqlite;

@@ -17,6 +17,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, SqlSafeStr};
 
+use crate::sql;
 use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 
 /// External mode's grouped writes: one group of each kind at a time. The writer takes them
@@ -123,7 +124,7 @@ fn is_busy(code: &str) -> bool {
 pub const EVICTION_POLL: Duration = Duration::from_millis(500);
 
 /// How long announced evictions are kept for processes to read.
-const EVICTION_KEPT: Duration = Duration::from_secs(24 * 3600);
+pub(crate) const EVICTION_KEPT: Duration = Duration::from_secs(24 * 3600);
 
 /// Follows `idemkey_evictions` for [`Store::eviction_notices`]: the newest sequence number
 /// seen, and the notices read but not handed out yet.
@@ -310,24 +311,12 @@ const COMPLETE_AND_COMMIT: &str = concat!(
     "CREATE TEMP TABLE IF NOT EXISTS idemkey_fence (
     matched INTEGER, CONSTRAINT idemkey_fenced CHECK (matched = 1));
 ",
-    complete_sql!(),
+    sql::complete_sql!(),
     ";
 INSERT INTO temp.idemkey_fence (matched) SELECT changes() WHERE changes() <> 1;
 COMMIT;
 BEGIN"
 );
-
-/// The completion, `?1`–`?8` bound by [`idemkey_core::bind_completion`]: alone in
-/// [`complete`](Store::complete), with its guard and `COMMIT` in [`COMPLETE_AND_COMMIT`].
-macro_rules! complete_sql {
-    () => {
-        "UPDATE idemkey_records
-   SET state = 'completed', token = token + 1, lease_expires_at = NULL,
-       response_status = ?5, response_headers = ?6, response_body = ?7, updated_at = ?8
- WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4"
-    };
-}
-use complete_sql;
 
 /// The statements of [`COMPLETE_AND_COMMIT`] before its `COMMIT`.
 const BEFORE_COMMIT: usize = 3;
@@ -598,29 +587,21 @@ impl Store for SqliteStore {
         // the only write lock, so the row the insert conflicted with is committed and the
         // read finds it. On an autocommit connection (external mode) it may be gone by the
         // read: then `Conflict`, and the protocol reads again.
-        let row: Option<i64> = sqlx::query_scalar(
-            "INSERT INTO idemkey_records
-                 (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
-                  lease_expires_at, created_at, updated_at, expires_at, sealed_key,
-                  fingerprint_members)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1, ?7, ?8, ?8, ?9, ?10, ?11)
-             ON CONFLICT (tenant, key_hash, route) DO NOTHING
-             RETURNING token",
-        )
-        .bind(&r.id.tenant)
-        .bind(&r.id.key_hash[..])
-        .bind(&r.id.route)
-        .bind(&r.fingerprint.digest[..])
-        .bind(&r.fingerprint.parts.to_bytes()[..])
-        .bind(r.state.as_str())
-        .bind(r.lease_expires_at.map(Timestamp::as_millis))
-        .bind(r.now.as_millis())
-        .bind(r.expires_at.as_millis())
-        .bind(r.sealed_key.as_deref())
-        .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(error)?;
+        let row: Option<i64> = sqlx::query_scalar(sql::INSERT)
+            .bind(&r.id.tenant)
+            .bind(&r.id.key_hash[..])
+            .bind(&r.id.route)
+            .bind(&r.fingerprint.digest[..])
+            .bind(&r.fingerprint.parts.to_bytes()[..])
+            .bind(r.state.as_str())
+            .bind(r.lease_expires_at.map(Timestamp::as_millis))
+            .bind(r.now.as_millis())
+            .bind(r.expires_at.as_millis())
+            .bind(r.sealed_key.as_deref())
+            .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(error)?;
         if row.is_some() {
             return Ok(Inserted::Owned);
         }
@@ -635,17 +616,15 @@ impl Store for SqliteStore {
         conn: &mut SqliteConnection,
         id: &RecordId,
     ) -> Result<Option<Record>, StoreError> {
-        sqlx::query_as::<_, RecordRow>(
-            "SELECT * FROM idemkey_records WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3",
-        )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .fetch_optional(conn)
-        .await
-        .map_err(error)?
-        .map(record)
-        .transpose()
+        sqlx::query_as::<_, RecordRow>(sql::FETCH)
+            .bind(&id.tenant)
+            .bind(&id.key_hash[..])
+            .bind(&id.route)
+            .fetch_optional(conn)
+            .await
+            .map_err(error)?
+            .map(record)
+            .transpose()
     }
 
     async fn replace(
@@ -654,30 +633,22 @@ impl Store for SqliteStore {
         r: &NewRecord,
         token: i64,
     ) -> Result<Option<i64>, StoreError> {
-        sqlx::query_scalar(
-            "UPDATE idemkey_records
-                SET fingerprint = ?4, fingerprint_parts = ?5, state = ?6, token = token + 1,
-                    lease_expires_at = ?7, response_status = NULL, response_headers = NULL,
-                    response_body = NULL, created_at = ?8, updated_at = ?8, expires_at = ?9,
-                    sealed_key = ?11, fingerprint_members = ?12
-              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?10
-             RETURNING token",
-        )
-        .bind(&r.id.tenant)
-        .bind(&r.id.key_hash[..])
-        .bind(&r.id.route)
-        .bind(&r.fingerprint.digest[..])
-        .bind(&r.fingerprint.parts.to_bytes()[..])
-        .bind(r.state.as_str())
-        .bind(r.lease_expires_at.map(Timestamp::as_millis))
-        .bind(r.now.as_millis())
-        .bind(r.expires_at.as_millis())
-        .bind(token)
-        .bind(r.sealed_key.as_deref())
-        .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
-        .fetch_optional(conn)
-        .await
-        .map_err(error)
+        sqlx::query_scalar(sql::REPLACE)
+            .bind(&r.id.tenant)
+            .bind(&r.id.key_hash[..])
+            .bind(&r.id.route)
+            .bind(&r.fingerprint.digest[..])
+            .bind(&r.fingerprint.parts.to_bytes()[..])
+            .bind(r.state.as_str())
+            .bind(r.lease_expires_at.map(Timestamp::as_millis))
+            .bind(r.now.as_millis())
+            .bind(r.expires_at.as_millis())
+            .bind(token)
+            .bind(r.sealed_key.as_deref())
+            .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
+            .fetch_optional(conn)
+            .await
+            .map_err(error)
     }
 
     async fn complete(
@@ -688,7 +659,7 @@ impl Store for SqliteStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = bind_completion(sqlx::query(complete_sql!()), id, token, response, now)
+        let done = bind_completion(sqlx::query(sql::COMPLETE), id, token, response, now)
             .execute(conn)
             .await
             .map_err(error)?;
@@ -703,19 +674,16 @@ impl Store for SqliteStore {
         lease_until: Timestamp,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE idemkey_records SET lease_expires_at = ?5, updated_at = ?6
-              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4",
-        )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .bind(token)
-        .bind(lease_until.as_millis())
-        .bind(now.as_millis())
-        .execute(conn)
-        .await
-        .map_err(error)?;
+        let done = sqlx::query(sql::RENEW)
+            .bind(&id.tenant)
+            .bind(&id.key_hash[..])
+            .bind(&id.route)
+            .bind(token)
+            .bind(lease_until.as_millis())
+            .bind(now.as_millis())
+            .execute(conn)
+            .await
+            .map_err(error)?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -727,20 +695,16 @@ impl Store for SqliteStore {
         lease_until: Timestamp,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE idemkey_records
-                SET state = 'executing', lease_expires_at = ?5, updated_at = ?6
-              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4",
-        )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .bind(token)
-        .bind(lease_until.as_millis())
-        .bind(now.as_millis())
-        .execute(conn)
-        .await
-        .map_err(error)?;
+        let done = sqlx::query(sql::MARK_EXECUTING)
+            .bind(&id.tenant)
+            .bind(&id.key_hash[..])
+            .bind(&id.route)
+            .bind(token)
+            .bind(lease_until.as_millis())
+            .bind(now.as_millis())
+            .execute(conn)
+            .await
+            .map_err(error)?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -751,19 +715,15 @@ impl Store for SqliteStore {
         token: i64,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE idemkey_records
-                SET state = 'indeterminate', lease_expires_at = NULL, updated_at = ?5
-              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4",
-        )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .bind(token)
-        .bind(now.as_millis())
-        .execute(conn)
-        .await
-        .map_err(error)?;
+        let done = sqlx::query(sql::MARK_INDETERMINATE)
+            .bind(&id.tenant)
+            .bind(&id.key_hash[..])
+            .bind(&id.route)
+            .bind(token)
+            .bind(now.as_millis())
+            .execute(conn)
+            .await
+            .map_err(error)?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -773,17 +733,14 @@ impl Store for SqliteStore {
         id: &RecordId,
         token: i64,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "DELETE FROM idemkey_records
-              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?4",
-        )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .bind(token)
-        .execute(conn)
-        .await
-        .map_err(error)?;
+        let done = sqlx::query(sql::RELEASE)
+            .bind(&id.tenant)
+            .bind(&id.key_hash[..])
+            .bind(&id.route)
+            .bind(token)
+            .execute(conn)
+            .await
+            .map_err(error)?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -792,21 +749,14 @@ impl Store for SqliteStore {
         conn: &mut SqliteConnection,
         filter: &ListFilter,
     ) -> Result<Vec<Record>, StoreError> {
-        let rows = sqlx::query_as::<_, RecordRow>(
-            "SELECT * FROM idemkey_records
-              WHERE (?1 IS NULL OR tenant = ?1)
-                AND (?2 IS NULL OR state = ?2)
-                AND (?3 IS NULL OR created_at < ?3)
-              ORDER BY created_at DESC
-              LIMIT ?4",
-        )
-        .bind(filter.tenant.as_deref())
-        .bind(filter.state.map(|s| s.as_str()))
-        .bind(filter.created_before.map(Timestamp::as_millis))
-        .bind(filter.effective_limit())
-        .fetch_all(conn)
-        .await
-        .map_err(error)?;
+        let rows = sqlx::query_as::<_, RecordRow>(sql::LIST)
+            .bind(filter.tenant.as_deref())
+            .bind(filter.state.map(|s| s.as_str()))
+            .bind(filter.created_before.map(Timestamp::as_millis))
+            .bind(filter.effective_limit())
+            .fetch_all(conn)
+            .await
+            .map_err(error)?;
         rows.into_iter().map(record).collect()
     }
 
@@ -816,28 +766,23 @@ impl Store for SqliteStore {
         tenant: &str,
         key_hash: &[u8; 32],
     ) -> Result<Vec<Record>, StoreError> {
-        let rows = sqlx::query_as::<_, RecordRow>(
-            "SELECT * FROM idemkey_records WHERE tenant = ?1 AND key_hash = ?2
-              ORDER BY created_at",
-        )
-        .bind(tenant)
-        .bind(&key_hash[..])
-        .fetch_all(conn)
-        .await
-        .map_err(error)?;
+        let rows = sqlx::query_as::<_, RecordRow>(sql::FIND_BY_KEY)
+            .bind(tenant)
+            .bind(&key_hash[..])
+            .fetch_all(conn)
+            .await
+            .map_err(error)?;
         rows.into_iter().map(record).collect()
     }
 
     async fn evict(&self, conn: &mut SqliteConnection, id: &RecordId) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "DELETE FROM idemkey_records WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3",
-        )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .execute(conn)
-        .await
-        .map_err(error)?;
+        let done = sqlx::query(sql::EVICT)
+            .bind(&id.tenant)
+            .bind(&id.key_hash[..])
+            .bind(&id.route)
+            .execute(conn)
+            .await
+            .map_err(error)?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -850,20 +795,13 @@ impl Store for SqliteStore {
     ) -> Result<Purged, StoreError> {
         // SQLite has one writer at a time, so there are no locked rows to skip; a small
         // batch keeps the write lock short.
-        let gone: Vec<i64> = sqlx::query_scalar(
-            "DELETE FROM idemkey_records WHERE rowid IN
-                (SELECT rowid FROM idemkey_records
-                  WHERE expires_at <= ?1 AND expires_at >= ?2
-                  ORDER BY expires_at
-                  LIMIT ?3)
-             RETURNING expires_at",
-        )
-        .bind(now.as_millis())
-        .bind(from.map_or(i64::MIN, Timestamp::as_millis))
-        .bind(i64::from(batch))
-        .fetch_all(conn)
-        .await
-        .map_err(error)?;
+        let gone: Vec<i64> = sqlx::query_scalar(sql::PURGE_BATCH)
+            .bind(now.as_millis())
+            .bind(from.map_or(i64::MIN, Timestamp::as_millis))
+            .bind(i64::from(batch))
+            .fetch_all(conn)
+            .await
+            .map_err(error)?;
         Ok(Purged {
             deleted: gone.len() as u64,
             through: gone.into_iter().max().map(Timestamp),
@@ -875,20 +813,17 @@ impl Store for SqliteStore {
         conn: &mut SqliteConnection,
         entry: &AuditEntry,
     ) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO idemkey_audit (tenant, key_hash, route, at, actor, action, detail)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-        )
-        .bind(&entry.id.tenant)
-        .bind(&entry.id.key_hash[..])
-        .bind(&entry.id.route)
-        .bind(entry.at.as_millis())
-        .bind(&entry.actor)
-        .bind(&entry.action)
-        .bind(&entry.detail)
-        .execute(conn)
-        .await
-        .map_err(error)?;
+        sqlx::query(sql::APPEND_AUDIT)
+            .bind(&entry.id.tenant)
+            .bind(&entry.id.key_hash[..])
+            .bind(&entry.id.route)
+            .bind(entry.at.as_millis())
+            .bind(&entry.actor)
+            .bind(&entry.action)
+            .bind(&entry.detail)
+            .execute(conn)
+            .await
+            .map_err(error)?;
         Ok(())
     }
 
@@ -897,17 +832,13 @@ impl Store for SqliteStore {
         conn: &mut SqliteConnection,
         id: &RecordId,
     ) -> Result<Vec<AuditEntry>, StoreError> {
-        let rows = sqlx::query_as::<_, AuditRow>(
-            "SELECT tenant, key_hash, route, at, actor, action, detail FROM idemkey_audit
-              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3
-              ORDER BY id",
-        )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .fetch_all(conn)
-        .await
-        .map_err(error)?;
+        let rows = sqlx::query_as::<_, AuditRow>(sql::AUDIT)
+            .bind(&id.tenant)
+            .bind(&id.key_hash[..])
+            .bind(&id.route)
+            .fetch_all(conn)
+            .await
+            .map_err(error)?;
         rows.into_iter().map(AuditEntry::try_from).collect()
     }
 
@@ -918,12 +849,12 @@ impl Store for SqliteStore {
     ) -> Result<(), StoreError> {
         // On the eviction's transaction: other processes read it once it commits.
         let now = Timestamp::now();
-        sqlx::query("DELETE FROM idemkey_evictions WHERE at < ?1")
+        sqlx::query(sql::TRIM_EVICTIONS)
             .bind(now.minus(EVICTION_KEPT).as_millis())
             .execute(&mut *conn)
             .await
             .map_err(error)?;
-        sqlx::query("INSERT INTO idemkey_evictions (record_digest, at) VALUES (?1, ?2)")
+        sqlx::query(sql::NOTE_EVICTION)
             .bind(&id.digest()[..])
             .bind(now.as_millis())
             .execute(&mut *conn)

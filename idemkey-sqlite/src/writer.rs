@@ -58,7 +58,7 @@ pub(crate) struct Writer {
 /// transactions held it. Classified as [`StoreError::Busy`], like SQLite's `SQLITE_BUSY`.
 #[derive(Debug, thiserror::Error)]
 #[error("waited {0:?} (the busy time-out) for the SQLite writer")]
-pub(crate) struct WriterTimedOut(Duration);
+pub(crate) struct WriterTimedOut(pub(crate) Duration);
 
 impl Writer {
     /// A writer queue whose waits are bounded by `busy_timeout`, or by the busy time-out the

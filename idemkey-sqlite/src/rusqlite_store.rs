@@ -1,0 +1,670 @@
+//! A SQLite store whose statements run on the calling thread, through rusqlite.
+//!
+//! sqlx's SQLite driver runs each connection on a thread of its own and hands every
+//! statement there and back. Inside the writer's turn, those hand-offs cost a fresh request
+//! more than SQLite's own work does (docs/benchmarks.md, "SQLite without sqlx's worker
+//! thread"). [`RusqliteStore`] calls SQLite directly instead, on the task's thread, while it
+//! holds the turn: a statement is not a hand-off, and the turn is as long as the work.
+//!
+//! The application's effect runs on the same connection, so it is written with rusqlite
+//! too: [`RusqliteTransaction`] dereferences to [`rusqlite::Connection`]. Statements are
+//! synchronous and must stay short. A connection is not `Sync`, so a handler cannot hold a
+//! statement across an `.await`.
+//!
+//! The SQL is the one [`SqliteStore`](crate::SqliteStore) runs (`sql.rs`), and the two
+//! share a database file and its migrations.
+
+use std::ops::{Deref, DerefMut};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use idemkey_core::{
+    AuditEntry, AuditRow, Inserted, ListFilter, Members, NewRecord, Purged, Record, RecordId,
+    RecordRow, Store, StoreError, StoredResponse, Timestamp,
+};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use crate::SqliteStore;
+use crate::sql;
+use crate::store::EVICTION_KEPT;
+use crate::writer::WriterTimedOut;
+
+/// How many idle read connections a store keeps for [`Store::acquire`].
+const IDLE_READERS: usize = 8;
+
+/// A SQLite store on rusqlite: write transactions take turns, first come first served, on
+/// one connection the store keeps, and run their statements on the calling thread.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use idemkey_sqlite::RusqliteStore;
+/// let store = RusqliteStore::open("idemkey.db")?;
+/// store.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct RusqliteStore {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    path: PathBuf,
+    busy_timeout: Duration,
+    /// The writer turn, with the writer connection (`None` until first used, and after a
+    /// statement that ends a transaction failed).
+    turn: Arc<Mutex<Option<Connection>>>,
+    /// Idle connections for reads and autocommit statements.
+    idle: StdMutex<Vec<Connection>>,
+}
+
+impl RusqliteStore {
+    /// Opens (creating if missing) the database file at `path`, in WAL mode with a 5 s busy
+    /// time-out ([`SqliteStore::DEFAULT_BUSY_TIMEOUT`]).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        Self::open_with_busy_timeout(path, SqliteStore::DEFAULT_BUSY_TIMEOUT)
+    }
+
+    /// Like [`open`](Self::open), with another busy time-out. It bounds the wait for the
+    /// writer's turn, and then SQLite's own wait for writers outside this store.
+    pub fn open_with_busy_timeout(
+        path: impl AsRef<Path>,
+        busy_timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        let shared = Shared {
+            path: path.as_ref().to_owned(),
+            busy_timeout,
+            turn: Arc::new(Mutex::new(None)),
+            idle: StdMutex::new(Vec::new()),
+        };
+        // Opened now, so a path that cannot be opened fails here, and WAL is set up before
+        // any other connection opens the file.
+        let writer = shared.connection()?;
+        *shared
+            .turn
+            .try_lock()
+            .expect("nobody else has the turn yet") = Some(writer);
+        Ok(Self {
+            shared: Arc::new(shared),
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    /// Runs the pending migrations: [`SqliteStore::migrator`]'s, tracked in the same table,
+    /// through a short-lived sqlx connection to the same file.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let url = format!("sqlite:{}", self.shared.path.display());
+        let store = SqliteStore::connect_with_busy_timeout(&url, self.shared.busy_timeout).await?;
+        let migrated = store.migrate().await;
+        store.pool().close().await;
+        migrated.map_err(|e| StoreError::Database(Box::new(e)))
+    }
+
+    /// Runs `f` on a connection of its own (from the store's idle ones), outside the
+    /// writer's turn: for reads, and for writes that do not share a transaction with the
+    /// store's.
+    pub fn with_connection<T>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> rusqlite::Result<T>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.shared.idle_connection()?;
+        let result = f(&mut conn).map_err(error);
+        self.shared.give_back(conn);
+        result
+    }
+}
+
+impl Shared {
+    fn connection(&self) -> Result<Connection, StoreError> {
+        let conn = Connection::open_with_flags(
+            &self.path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE
+                | OpenFlags::SQLITE_OPEN_CREATE
+                | OpenFlags::SQLITE_OPEN_NO_MUTEX
+                | OpenFlags::SQLITE_OPEN_URI,
+        )
+        .map_err(|e| StoreError::Unavailable(Box::new(e)))?;
+        conn.busy_timeout(self.busy_timeout).map_err(error)?;
+        // As `SqliteStore::connect` sets up its connections (sqlx enables foreign keys).
+        conn.execute_batch(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;",
+        )
+        .map_err(error)?;
+        conn.set_prepared_statement_cache_capacity(64);
+        Ok(conn)
+    }
+
+    fn idle_connection(&self) -> Result<Connection, StoreError> {
+        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        match idle {
+            Some(conn) => Ok(conn),
+            None => self.connection(),
+        }
+    }
+
+    fn give_back(&self, conn: Connection) {
+        if !conn.is_autocommit() {
+            // Left in a transaction: closing it rolls back what is open on it.
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < IDLE_READERS {
+            idle.push(conn);
+        }
+    }
+
+    /// Waits for the writer's turn (first come, first served, bounded by the busy time-out)
+    /// and opens the writer connection if it is not open.
+    async fn turn(self: &Arc<Self>) -> Result<OwnedMutexGuard<Option<Connection>>, StoreError> {
+        let mut turn = match self.turn.clone().try_lock_owned() {
+            Ok(turn) => turn,
+            Err(_) => tokio::time::timeout(self.busy_timeout, self.turn.clone().lock_owned())
+                .await
+                .map_err(|_| StoreError::Busy(Box::new(WriterTimedOut(self.busy_timeout))))?,
+        };
+        if turn.is_none() {
+            *turn = Some(self.connection()?);
+        }
+        Ok(turn)
+    }
+}
+
+fn error(e: rusqlite::Error) -> StoreError {
+    use rusqlite::ErrorCode::{DatabaseBusy, DatabaseLocked};
+    match e.sqlite_error_code() {
+        Some(DatabaseBusy | DatabaseLocked) => StoreError::Busy(Box::new(e)),
+        _ => StoreError::Database(Box::new(e)),
+    }
+}
+
+/// A write transaction on a [`RusqliteStore`] (`BEGIN IMMEDIATE`): it holds SQLite's write
+/// lock and the store's writer turn until it commits or is dropped, which rolls it back.
+/// It dereferences to [`rusqlite::Connection`], for the application's effect; a nested
+/// transaction on it is a savepoint (`Connection::savepoint`).
+#[derive(Debug)]
+pub struct RusqliteTransaction {
+    turn: OwnedMutexGuard<Option<Connection>>,
+}
+
+impl RusqliteTransaction {
+    /// Commits, then lets the next transaction in. When the `COMMIT` fails and leaves the
+    /// transaction open, dropping `self` rolls it back.
+    pub fn commit(self) -> Result<(), StoreError> {
+        self.execute_batch("COMMIT").map_err(error)
+    }
+}
+
+impl Deref for RusqliteTransaction {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        self.turn
+            .as_ref()
+            .expect("the writer is there while a transaction is")
+    }
+}
+
+impl DerefMut for RusqliteTransaction {
+    fn deref_mut(&mut self) -> &mut Connection {
+        self.turn
+            .as_mut()
+            .expect("the writer is there while a transaction is")
+    }
+}
+
+impl Drop for RusqliteTransaction {
+    fn drop(&mut self) {
+        roll_back_what_is_open(&mut self.turn);
+    }
+}
+
+/// Rolls back a transaction left open on the writer; a writer that cannot is closed (which
+/// rolls it back), and the next turn opens another.
+fn roll_back_what_is_open(turn: &mut Option<Connection>) {
+    if let Some(conn) = turn.as_ref()
+        && !conn.is_autocommit()
+        && conn.execute_batch("ROLLBACK").is_err()
+    {
+        *turn = None;
+    }
+}
+
+/// A connection for statements that commit on their own, from [`Store::acquire`] (an idle
+/// one of the store's) or [`Store::acquire_for_write`] (the writer, in its turn). It
+/// dereferences to [`rusqlite::Connection`].
+#[derive(Debug)]
+pub struct RusqliteConnection(Autocommit);
+
+#[derive(Debug)]
+enum Autocommit {
+    Idle(Option<Connection>, Arc<Shared>),
+    Writer(OwnedMutexGuard<Option<Connection>>),
+}
+
+impl Deref for RusqliteConnection {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        match &self.0 {
+            Autocommit::Idle(conn, _) => conn.as_ref(),
+            Autocommit::Writer(turn) => turn.as_ref(),
+        }
+        .expect("the connection is there until dropped")
+    }
+}
+
+impl DerefMut for RusqliteConnection {
+    fn deref_mut(&mut self) -> &mut Connection {
+        match &mut self.0 {
+            Autocommit::Idle(conn, _) => conn.as_mut(),
+            Autocommit::Writer(turn) => turn.as_mut(),
+        }
+        .expect("the connection is there until dropped")
+    }
+}
+
+impl Drop for RusqliteConnection {
+    fn drop(&mut self) {
+        match &mut self.0 {
+            Autocommit::Idle(conn, shared) => {
+                if let Some(conn) = conn.take() {
+                    shared.give_back(conn);
+                }
+            }
+            Autocommit::Writer(turn) => roll_back_what_is_open(turn),
+        }
+    }
+}
+
+fn record(row: &rusqlite::Row<'_>) -> rusqlite::Result<RecordRow> {
+    Ok(RecordRow {
+        tenant: row.get("tenant")?,
+        key_hash: row.get("key_hash")?,
+        route: row.get("route")?,
+        fingerprint: row.get("fingerprint")?,
+        fingerprint_parts: row.get("fingerprint_parts")?,
+        state: row.get("state")?,
+        token: row.get("token")?,
+        lease_expires_at: row.get("lease_expires_at")?,
+        response_status: row.get("response_status")?,
+        response_headers: row.get("response_headers")?,
+        response_body: row.get("response_body")?,
+        created_at: row.get("created_at")?,
+        updated_at: row.get("updated_at")?,
+        expires_at: row.get("expires_at")?,
+        sealed_key: row.get("sealed_key")?,
+        fingerprint_members: row.get("fingerprint_members")?,
+    })
+}
+
+fn records(rows: Vec<RecordRow>) -> Result<Vec<Record>, StoreError> {
+    rows.into_iter().map(Record::try_from).collect()
+}
+
+/// Runs `statement` with `params` and answers whether it changed exactly one row.
+fn changed_one(
+    conn: &Connection,
+    statement: &str,
+    params: impl rusqlite::Params,
+) -> Result<bool, StoreError> {
+    let changed = conn
+        .prepare_cached(statement)
+        .and_then(|mut s| s.execute(params))
+        .map_err(error)?;
+    Ok(changed == 1)
+}
+
+impl Store for RusqliteStore {
+    type Connection = Connection;
+    type Transaction = RusqliteTransaction;
+    type PooledConnection = RusqliteConnection;
+
+    async fn begin(&self) -> Result<RusqliteTransaction, StoreError> {
+        let mut turn = self.shared.turn().await?;
+        let conn = turn.as_mut().expect("the turn opened the writer");
+        if !conn.is_autocommit() {
+            // Not left so by this store; closing it rolls back whatever is open on it.
+            *turn = Some(self.shared.connection()?);
+        }
+        turn.as_ref()
+            .expect("the writer is open")
+            .execute_batch("BEGIN IMMEDIATE")
+            .map_err(error)?;
+        Ok(RusqliteTransaction { turn })
+    }
+
+    async fn commit(&self, tx: RusqliteTransaction) -> Result<(), StoreError> {
+        tx.commit()
+    }
+
+    async fn acquire(&self) -> Result<RusqliteConnection, StoreError> {
+        let conn = self.shared.idle_connection()?;
+        Ok(RusqliteConnection(Autocommit::Idle(
+            Some(conn),
+            self.shared.clone(),
+        )))
+    }
+
+    async fn acquire_for_write(&self) -> Result<RusqliteConnection, StoreError> {
+        let turn = self.shared.turn().await?;
+        Ok(RusqliteConnection(Autocommit::Writer(turn)))
+    }
+
+    async fn insert(&self, conn: &mut Connection, r: &NewRecord) -> Result<Inserted, StoreError> {
+        // As `SqliteStore::insert`: in the claim's `BEGIN IMMEDIATE` transaction the row
+        // the insert conflicted with is committed, and the read finds it.
+        let owned: Option<i64> = conn
+            .prepare_cached(sql::INSERT)
+            .and_then(|mut s| {
+                s.query_row(
+                    params![
+                        r.id.tenant,
+                        &r.id.key_hash[..],
+                        r.id.route,
+                        &r.fingerprint.digest[..],
+                        r.fingerprint.parts.to_bytes(),
+                        r.state.as_str(),
+                        r.lease_expires_at.map(Timestamp::as_millis),
+                        r.now.as_millis(),
+                        r.expires_at.as_millis(),
+                        r.sealed_key.as_deref(),
+                        r.fingerprint.members.as_ref().map(Members::to_bytes),
+                    ],
+                    |row| row.get(0),
+                )
+                .optional()
+            })
+            .map_err(error)?;
+        if owned.is_some() {
+            return Ok(Inserted::Owned);
+        }
+        Ok(match self.fetch(conn, &r.id).await? {
+            Some(existing) => Inserted::Existing(Box::new(existing)),
+            None => Inserted::Conflict,
+        })
+    }
+
+    async fn fetch(
+        &self,
+        conn: &mut Connection,
+        id: &RecordId,
+    ) -> Result<Option<Record>, StoreError> {
+        conn.prepare_cached(sql::FETCH)
+            .and_then(|mut s| {
+                s.query_row(params![id.tenant, &id.key_hash[..], id.route], record)
+                    .optional()
+            })
+            .map_err(error)?
+            .map(Record::try_from)
+            .transpose()
+    }
+
+    async fn replace(
+        &self,
+        conn: &mut Connection,
+        r: &NewRecord,
+        token: i64,
+    ) -> Result<Option<i64>, StoreError> {
+        conn.prepare_cached(sql::REPLACE)
+            .and_then(|mut s| {
+                s.query_row(
+                    params![
+                        r.id.tenant,
+                        &r.id.key_hash[..],
+                        r.id.route,
+                        &r.fingerprint.digest[..],
+                        r.fingerprint.parts.to_bytes(),
+                        r.state.as_str(),
+                        r.lease_expires_at.map(Timestamp::as_millis),
+                        r.now.as_millis(),
+                        r.expires_at.as_millis(),
+                        token,
+                        r.sealed_key.as_deref(),
+                        r.fingerprint.members.as_ref().map(Members::to_bytes),
+                    ],
+                    |row| row.get(0),
+                )
+                .optional()
+            })
+            .map_err(error)
+    }
+
+    async fn complete(
+        &self,
+        conn: &mut Connection,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        changed_one(
+            conn,
+            sql::COMPLETE,
+            params![
+                id.tenant,
+                &id.key_hash[..],
+                id.route,
+                token,
+                i32::from(response.status),
+                response.encode_headers(),
+                &response.body[..],
+                now.as_millis(),
+            ],
+        )
+    }
+
+    async fn renew(
+        &self,
+        conn: &mut Connection,
+        id: &RecordId,
+        token: i64,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        changed_one(
+            conn,
+            sql::RENEW,
+            params![
+                id.tenant,
+                &id.key_hash[..],
+                id.route,
+                token,
+                lease_until.as_millis(),
+                now.as_millis()
+            ],
+        )
+    }
+
+    async fn mark_executing(
+        &self,
+        conn: &mut Connection,
+        id: &RecordId,
+        token: i64,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        changed_one(
+            conn,
+            sql::MARK_EXECUTING,
+            params![
+                id.tenant,
+                &id.key_hash[..],
+                id.route,
+                token,
+                lease_until.as_millis(),
+                now.as_millis()
+            ],
+        )
+    }
+
+    async fn mark_indeterminate(
+        &self,
+        conn: &mut Connection,
+        id: &RecordId,
+        token: i64,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        changed_one(
+            conn,
+            sql::MARK_INDETERMINATE,
+            params![
+                id.tenant,
+                &id.key_hash[..],
+                id.route,
+                token,
+                now.as_millis()
+            ],
+        )
+    }
+
+    async fn release(
+        &self,
+        conn: &mut Connection,
+        id: &RecordId,
+        token: i64,
+    ) -> Result<bool, StoreError> {
+        changed_one(
+            conn,
+            sql::RELEASE,
+            params![id.tenant, &id.key_hash[..], id.route, token],
+        )
+    }
+
+    async fn list(
+        &self,
+        conn: &mut Connection,
+        filter: &ListFilter,
+    ) -> Result<Vec<Record>, StoreError> {
+        let rows = conn
+            .prepare_cached(sql::LIST)
+            .and_then(|mut s| {
+                s.query_map(
+                    params![
+                        filter.tenant.as_deref(),
+                        filter.state.map(|s| s.as_str()),
+                        filter.created_before.map(Timestamp::as_millis),
+                        filter.effective_limit(),
+                    ],
+                    record,
+                )?
+                .collect::<rusqlite::Result<Vec<_>>>()
+            })
+            .map_err(error)?;
+        records(rows)
+    }
+
+    async fn find_by_key(
+        &self,
+        conn: &mut Connection,
+        tenant: &str,
+        key_hash: &[u8; 32],
+    ) -> Result<Vec<Record>, StoreError> {
+        let rows = conn
+            .prepare_cached(sql::FIND_BY_KEY)
+            .and_then(|mut s| {
+                s.query_map(params![tenant, &key_hash[..]], record)?
+                    .collect::<rusqlite::Result<Vec<_>>>()
+            })
+            .map_err(error)?;
+        records(rows)
+    }
+
+    async fn evict(&self, conn: &mut Connection, id: &RecordId) -> Result<bool, StoreError> {
+        changed_one(
+            conn,
+            sql::EVICT,
+            params![id.tenant, &id.key_hash[..], id.route],
+        )
+    }
+
+    async fn purge_batch(
+        &self,
+        conn: &mut Connection,
+        now: Timestamp,
+        from: Option<Timestamp>,
+        batch: u32,
+    ) -> Result<Purged, StoreError> {
+        let gone = conn
+            .prepare_cached(sql::PURGE_BATCH)
+            .and_then(|mut s| {
+                s.query_map(
+                    params![
+                        now.as_millis(),
+                        from.map_or(i64::MIN, Timestamp::as_millis),
+                        i64::from(batch)
+                    ],
+                    |row| row.get::<_, i64>(0),
+                )?
+                .collect::<rusqlite::Result<Vec<_>>>()
+            })
+            .map_err(error)?;
+        Ok(Purged {
+            deleted: gone.len() as u64,
+            through: gone.into_iter().max().map(Timestamp),
+        })
+    }
+
+    async fn append_audit(
+        &self,
+        conn: &mut Connection,
+        entry: &AuditEntry,
+    ) -> Result<(), StoreError> {
+        conn.prepare_cached(sql::APPEND_AUDIT)
+            .and_then(|mut s| {
+                s.execute(params![
+                    entry.id.tenant,
+                    &entry.id.key_hash[..],
+                    entry.id.route,
+                    entry.at.as_millis(),
+                    entry.actor,
+                    entry.action,
+                    entry.detail,
+                ])
+            })
+            .map_err(error)?;
+        Ok(())
+    }
+
+    async fn audit(
+        &self,
+        conn: &mut Connection,
+        id: &RecordId,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
+        let rows = conn
+            .prepare_cached(sql::AUDIT)
+            .and_then(|mut s| {
+                s.query_map(params![id.tenant, &id.key_hash[..], id.route], |row| {
+                    Ok(AuditRow {
+                        tenant: row.get(0)?,
+                        key_hash: row.get(1)?,
+                        route: row.get(2)?,
+                        at: row.get(3)?,
+                        actor: row.get(4)?,
+                        action: row.get(5)?,
+                        detail: row.get(6)?,
+                    })
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()
+            })
+            .map_err(error)?;
+        rows.into_iter().map(AuditEntry::try_from).collect()
+    }
+
+    async fn notify_evicted(&self, conn: &mut Connection, id: &RecordId) -> Result<(), StoreError> {
+        // As `SqliteStore::notify_evicted`, on the eviction's transaction: other processes
+        // on the file read it once it commits.
+        let now = Timestamp::now();
+        conn.prepare_cached(sql::TRIM_EVICTIONS)
+            .and_then(|mut s| s.execute(params![now.minus(EVICTION_KEPT).as_millis()]))
+            .and_then(|_| conn.prepare_cached(sql::NOTE_EVICTION))
+            .and_then(|mut s| s.execute(params![&id.digest()[..], now.as_millis()]))
+            .map_err(error)?;
+        Ok(())
+    }
+}
