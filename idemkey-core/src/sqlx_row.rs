@@ -116,22 +116,23 @@ impl TryFrom<AuditRow> for AuditEntry {
     }
 }
 
-/// One row of `idemkey_outbox`, as both stores select it.
+/// One row of `idemkey_outbox`, as the stores select it, column by column.
+#[allow(missing_docs)] // The columns, named as in the table.
 #[derive(Debug, sqlx::FromRow)]
 pub struct MessageRow {
-    seq: i64,
-    id: String,
-    grp: String,
-    kind: String,
-    data: String,
-    created_at: i64,
-    state: String,
-    attempts: i64,
-    next_attempt_at: i64,
-    claimed_by: Option<String>,
-    claimed_until: Option<i64>,
-    last_error: Option<String>,
-    sent_at: Option<i64>,
+    pub seq: i64,
+    pub id: String,
+    pub grp: String,
+    pub kind: String,
+    pub data: String,
+    pub created_at: i64,
+    pub state: String,
+    pub attempts: i64,
+    pub next_attempt_at: i64,
+    pub claimed_by: Option<String>,
+    pub claimed_until: Option<i64>,
+    pub last_error: Option<String>,
+    pub sent_at: Option<i64>,
 }
 
 impl TryFrom<MessageRow> for Message {
@@ -157,14 +158,15 @@ impl TryFrom<MessageRow> for Message {
     }
 }
 
-/// One row of `idemkey_outbox_audit`, as both stores select it.
+/// One row of `idemkey_outbox_audit`, as the stores select it, column by column.
+#[allow(missing_docs)] // The columns, named as in the table.
 #[derive(Debug, sqlx::FromRow)]
 pub struct OutboxAuditRow {
-    message_id: String,
-    at: i64,
-    actor: String,
-    action: String,
-    detail: String,
+    pub message_id: String,
+    pub at: i64,
+    pub actor: String,
+    pub action: String,
+    pub detail: String,
 }
 
 impl From<OutboxAuditRow> for OutboxAuditEntry {

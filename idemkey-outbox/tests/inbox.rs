@@ -1,4 +1,4 @@
-//! The inbox on both stores: concurrent deliveries of one message make one effect, a failing
+//! The inbox on every store: concurrent deliveries of one message make one effect, a failing
 //! handler leaves neither effect nor record, and two consumers each handle a message once.
 
 mod support;
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use idemkey_core::{KeyHasher, Store};
 use idemkey_outbox::{Handled, Inbox, InboxError};
 use idemkey_postgres::PgStore;
-use idemkey_sqlite::SqliteStore;
+use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use tokio::sync::Barrier;
 
 use support::Fresh;
@@ -125,12 +125,17 @@ async fn each_consumer_handles_a_message_once<S: Fresh>() {
     assert_eq!(store.effects("x").await, 0);
 }
 
-macro_rules! on_both_stores {
+macro_rules! on_every_store {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
             use super::*;
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $name() { super::$name::<SqliteStore>().await })*
+        }
+        mod rusqlite {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() { super::$name::<RusqliteStore>().await })*
         }
         mod postgres {
             use super::*;
@@ -140,7 +145,7 @@ macro_rules! on_both_stores {
     };
 }
 
-on_both_stores!(
+on_every_store!(
     concurrent_deliveries_of_one_message_make_one_effect,
     a_failing_handler_leaves_neither_effect_nor_record,
     each_consumer_handles_a_message_once,

@@ -1,4 +1,4 @@
-//! The outbox on both stores: messages commit with the effect, the relay delivers each at
+//! The outbox on every store: messages commit with the effect, the relay delivers each at
 //! least once with a stable id and bytes, backs off, gives up into `dead`, keeps a group's
 //! order; several relays on one PostgreSQL never deliver one message twice at once; a lossy
 //! webhook receiver behind idemkey's own layer records each message exactly once.
@@ -24,7 +24,7 @@ use idemkey_outbox::{
     envelope,
 };
 use idemkey_postgres::PgStore;
-use idemkey_sqlite::SqliteStore;
+use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use idemkey_tower::{IdempotencyLayer, Tx};
 use tower::ServiceExt;
 
@@ -413,12 +413,17 @@ async fn lossy_receiver_records_each_message_once<S: Fresh>() {
     assert_eq!(keys.len(), N);
 }
 
-macro_rules! on_both_stores {
+macro_rules! on_every_store {
     ($($name:ident $(($($arg:expr),*))?),* $(,)?) => {
         mod sqlite {
             use super::*;
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $name() { super::$name::<SqliteStore>($($($arg),*)?).await })*
+        }
+        mod rusqlite {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() { super::$name::<RusqliteStore>($($($arg),*)?).await })*
         }
         mod postgres {
             use super::*;
@@ -428,7 +433,7 @@ macro_rules! on_both_stores {
     };
 }
 
-on_both_stores!(
+on_every_store!(
     messages_commit_with_the_effect_or_not_at_all,
     failures_back_off_then_die,
     a_group_is_delivered_in_order,
@@ -438,6 +443,11 @@ on_both_stores!(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_relay_on_sqlite_delivers_every_message() {
     relays_share_the_work::<SqliteStore>(1, 300).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_relay_on_rusqlite_delivers_every_message() {
+    relays_share_the_work::<RusqliteStore>(1, 300).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

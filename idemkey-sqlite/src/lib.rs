@@ -17,6 +17,7 @@
 //! not in SQLite's sleeping busy handler. Each claim transaction should still be short.
 
 mod outbox;
+mod rusqlite_outbox;
 mod rusqlite_store;
 mod sql;
 mod store;

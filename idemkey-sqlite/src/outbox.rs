@@ -10,10 +10,10 @@ use crate::store::error;
 pub(crate) struct Sql;
 
 impl Sql {
-    const ENQUEUE: &'static str = "\
+    pub(crate) const ENQUEUE: &'static str = "\
         INSERT INTO idemkey_outbox (id, grp, kind, data, created_at, next_attempt_at) \
         VALUES (?1, ?2, ?3, ?4, ?5, ?5)";
-    const CLAIM_DUE: &'static str = "\
+    pub(crate) const CLAIM_DUE: &'static str = "\
         UPDATE idemkey_outbox SET claimed_by = ?1, claimed_until = ?3, \
         attempts = attempts + 1 \
         WHERE seq IN ( \
@@ -24,39 +24,39 @@ impl Sql {
         WHERE e.grp = m.grp AND e.seq < m.seq AND e.state = 'pending') \
         ORDER BY m.seq LIMIT ?4) \
         RETURNING *";
-    const MARK_SENT: &'static str = "\
+    pub(crate) const MARK_SENT: &'static str = "\
         UPDATE idemkey_outbox SET state = 'sent', sent_at = ?3, claimed_by = NULL, \
         claimed_until = NULL, last_error = NULL \
         WHERE id = ?1 AND claimed_by = ?2 AND state = 'pending'";
-    const MARK_FAILED: &'static str = "\
+    pub(crate) const MARK_FAILED: &'static str = "\
         UPDATE idemkey_outbox SET \
         state = CASE WHEN ?3 IS NULL THEN 'dead' ELSE 'pending' END, \
         next_attempt_at = COALESCE(?3, next_attempt_at), \
         claimed_by = NULL, claimed_until = NULL, last_error = ?4 \
         WHERE id = ?1 AND claimed_by = ?2 AND state = 'pending'";
-    const MESSAGES: &'static str = "\
+    pub(crate) const MESSAGES: &'static str = "\
         SELECT * FROM idemkey_outbox WHERE (?1 IS NULL OR state = ?1) \
         ORDER BY seq DESC LIMIT ?2";
-    const MESSAGE: &'static str = "\
+    pub(crate) const MESSAGE: &'static str = "\
         SELECT * FROM idemkey_outbox WHERE id = ?1";
-    const REQUEUE: &'static str = "\
+    pub(crate) const REQUEUE: &'static str = "\
         UPDATE idemkey_outbox SET state = 'pending', attempts = 0, next_attempt_at = ?2, \
         claimed_by = NULL, claimed_until = NULL \
         WHERE id = ?1 AND state = 'dead'";
-    const REMOVE_DEAD: &'static str = "\
+    pub(crate) const REMOVE_DEAD: &'static str = "\
         DELETE FROM idemkey_outbox WHERE id = ?1 AND state = 'dead'";
-    const PURGE_SENT: &'static str = "\
+    pub(crate) const PURGE_SENT: &'static str = "\
         DELETE FROM idemkey_outbox WHERE seq IN (SELECT seq FROM idemkey_outbox \
         WHERE state = 'sent' AND sent_at < ?1 LIMIT ?2)";
-    const STATS: &'static str = "\
+    pub(crate) const STATS: &'static str = "\
         SELECT \
         (SELECT count(*) FROM idemkey_outbox WHERE state = 'pending'), \
         (SELECT count(*) FROM idemkey_outbox WHERE state = 'dead'), \
         (SELECT min(created_at) FROM idemkey_outbox WHERE state = 'pending')";
-    const APPEND_AUDIT: &'static str = "\
+    pub(crate) const APPEND_AUDIT: &'static str = "\
         INSERT INTO idemkey_outbox_audit (message_id, at, actor, action, detail) \
         VALUES (?1, ?2, ?3, ?4, ?5)";
-    const AUDIT: &'static str = "\
+    pub(crate) const AUDIT: &'static str = "\
         SELECT message_id, at, actor, action, detail FROM idemkey_outbox_audit \
         WHERE message_id = ?1 ORDER BY seq";
 }

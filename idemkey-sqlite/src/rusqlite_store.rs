@@ -175,7 +175,7 @@ impl Shared {
     }
 }
 
-fn error(e: rusqlite::Error) -> StoreError {
+pub(crate) fn error(e: rusqlite::Error) -> StoreError {
     use rusqlite::ErrorCode::{DatabaseBusy, DatabaseLocked};
     match e.sqlite_error_code() {
         Some(DatabaseBusy | DatabaseLocked) => StoreError::Busy(Box::new(e)),
@@ -307,17 +307,24 @@ fn records(rows: Vec<RecordRow>) -> Result<Vec<Record>, StoreError> {
     rows.into_iter().map(Record::try_from).collect()
 }
 
+/// Runs `statement` with `params` and answers how many rows it changed.
+pub(crate) fn changed(
+    conn: &Connection,
+    statement: &str,
+    params: impl rusqlite::Params,
+) -> Result<usize, StoreError> {
+    conn.prepare_cached(statement)
+        .and_then(|mut s| s.execute(params))
+        .map_err(error)
+}
+
 /// Runs `statement` with `params` and answers whether it changed exactly one row.
 fn changed_one(
     conn: &Connection,
     statement: &str,
     params: impl rusqlite::Params,
 ) -> Result<bool, StoreError> {
-    let changed = conn
-        .prepare_cached(statement)
-        .and_then(|mut s| s.execute(params))
-        .map_err(error)?;
-    Ok(changed == 1)
+    Ok(changed(conn, statement, params)? == 1)
 }
 
 impl Store for RusqliteStore {

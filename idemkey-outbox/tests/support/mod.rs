@@ -4,13 +4,15 @@
 #![allow(dead_code)] // not every test file uses every helper
 
 use futures::future::BoxFuture;
+use idemkey_core::BoxError;
 use idemkey_core::outbox::{Message, MessageFilter, OutboxStore};
 use idemkey_outbox::{Outgoing, enqueue_on};
 use idemkey_postgres::PgStore;
-use idemkey_sqlite::SqliteStore;
+use idemkey_sqlite::rusqlite::params;
+use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use tempfile::TempDir;
 
-/// A fresh store of either kind with an `effects` table (no unique constraint: only the
+/// A fresh store of any kind with an `effects` table (no unique constraint: only the
 /// inbox keeps duplicates out); the guard keeps a SQLite file.
 pub(crate) trait Fresh: OutboxStore + Sized {
     /// A migrated store on a fresh database, and the guard of its SQLite file.
@@ -19,7 +21,7 @@ pub(crate) trait Fresh: OutboxStore + Sized {
     fn insert_effect(
         conn: &mut Self::Connection,
         label: String,
-    ) -> BoxFuture<'_, Result<(), sqlx::Error>>;
+    ) -> BoxFuture<'_, Result<(), BoxError>>;
     /// How many effect rows labelled `label` are committed.
     async fn effects(&self, label: &str) -> i64;
 }
@@ -39,13 +41,14 @@ impl Fresh for SqliteStore {
     fn insert_effect(
         conn: &mut sqlx::SqliteConnection,
         label: String,
-    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+    ) -> BoxFuture<'_, Result<(), BoxError>> {
         Box::pin(async move {
             sqlx::query("INSERT INTO effects (label) VALUES (?1)")
                 .bind(label)
                 .execute(conn)
                 .await
                 .map(|_| ())
+                .map_err(BoxError::from)
         })
     }
     async fn effects(&self, label: &str) -> i64 {
@@ -57,6 +60,35 @@ impl Fresh for SqliteStore {
     }
 }
 
+impl Fresh for RusqliteStore {
+    async fn fresh() -> (Self, Option<TempDir>) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RusqliteStore::open(dir.path().join("outbox.db")).unwrap();
+        store.migrate().await.unwrap();
+        store
+            .with_connection(|c| c.execute_batch("CREATE TABLE effects (label TEXT NOT NULL)"))
+            .unwrap();
+        (store, Some(dir))
+    }
+    fn insert_effect(
+        conn: &mut idemkey_sqlite::rusqlite::Connection,
+        label: String,
+    ) -> BoxFuture<'_, Result<(), BoxError>> {
+        let done = conn.execute("INSERT INTO effects (label) VALUES (?1)", params![label]);
+        Box::pin(async move { done.map(|_| ()).map_err(BoxError::from) })
+    }
+    async fn effects(&self, label: &str) -> i64 {
+        self.with_connection(|c| {
+            c.query_row(
+                "SELECT COUNT(*) FROM effects WHERE label = ?1",
+                params![label],
+                |r| r.get(0),
+            )
+        })
+        .unwrap()
+    }
+}
+
 impl Fresh for PgStore {
     async fn fresh() -> (Self, Option<TempDir>) {
         (fresh_postgres().await.0, None)
@@ -64,13 +96,14 @@ impl Fresh for PgStore {
     fn insert_effect(
         conn: &mut sqlx::PgConnection,
         label: String,
-    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+    ) -> BoxFuture<'_, Result<(), BoxError>> {
         Box::pin(async move {
             sqlx::query("INSERT INTO effects (label) VALUES ($1)")
                 .bind(label)
                 .execute(conn)
                 .await
                 .map(|_| ())
+                .map_err(BoxError::from)
         })
     }
     async fn effects(&self, label: &str) -> i64 {
