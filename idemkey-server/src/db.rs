@@ -6,7 +6,8 @@ use std::future::Future;
 use idemkey_core::Store;
 use idemkey_core::outbox::OutboxStore;
 use idemkey_postgres::PgStore;
-use idemkey_sqlite::SqliteStore;
+use idemkey_sqlite::rusqlite::{self, OptionalExtension};
+use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use serde::Serialize;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::PgConnection;
@@ -43,18 +44,14 @@ pub trait AppDb: Store + OutboxStore {
     /// The tables a database needs before an operator command may use it (idemkey's and
     /// the payments API's), which are missing here: none once `idemkey migrate` (or `serve`)
     /// ran.
-    fn missing_tables(&self)
-    -> impl Future<Output = Result<Vec<&'static str>, sqlx::Error>> + Send;
+    fn missing_tables(&self) -> impl Future<Output = anyhow::Result<Vec<&'static str>>> + Send;
 
     /// Reads the setting `name`, if it is set; never writes.
-    fn setting(
-        &self,
-        name: &str,
-    ) -> impl Future<Output = Result<Option<Vec<u8>>, sqlx::Error>> + Send;
+    fn setting(&self, name: &str) -> impl Future<Output = anyhow::Result<Option<Vec<u8>>>> + Send;
 
     /// One round trip to the database (`SELECT 1`), for the health check. On PostgreSQL a
     /// pooled connection the server dropped meanwhile is skipped, as `begin` does.
-    fn ping(&self) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    fn ping(&self) -> impl Future<Output = anyhow::Result<()>> + Send;
 
     /// Runs idemkey's migrations and the payments API's.
     fn migrate_all(&self) -> impl Future<Output = anyhow::Result<()>> + Send;
@@ -63,21 +60,21 @@ pub trait AppDb: Store + OutboxStore {
     fn insert_payment<'a>(
         conn: &'a mut Self::Connection,
         payment: &'a Payment,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+    ) -> impl Future<Output = anyhow::Result<()>> + Send + 'a;
 
     /// One of a tenant's payments.
     fn payment(
         &self,
         tenant: &str,
         id: &str,
-    ) -> impl Future<Output = Result<Option<Payment>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = anyhow::Result<Option<Payment>>> + Send;
 
     /// A tenant's newest payments, and how many it has in all.
     fn payments(
         &self,
         tenant: &str,
         limit: i64,
-    ) -> impl Future<Output = Result<(Vec<Payment>, i64), sqlx::Error>> + Send;
+    ) -> impl Future<Output = anyhow::Result<(Vec<Payment>, i64)>> + Send;
 
     /// Reads the setting `name`, first storing `value` if it has none. Every instance on
     /// the database gets the same answer.
@@ -85,7 +82,7 @@ pub trait AppDb: Store + OutboxStore {
         &self,
         name: &str,
         value: &[u8],
-    ) -> impl Future<Output = Result<Vec<u8>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = anyhow::Result<Vec<u8>>> + Send;
 }
 
 /// The tables [`AppDb::missing_tables`] looks for.
@@ -99,18 +96,50 @@ const REQUIRED_TABLES: [&str; 4] = [
 static SQLITE_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/sqlite");
 static PG_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/postgres");
 
+/// The payments API's SQL on SQLite, run through sqlx by [`SqliteStore`] and through
+/// rusqlite by [`RusqliteStore`], with the same `?N` parameters.
+mod sqlite_sql {
+    pub(super) const TABLE_EXISTS: &str =
+        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1";
+    pub(super) const SETTING: &str = "SELECT value FROM server_settings WHERE name = ?1";
+    pub(super) const INIT_SETTING: &str =
+        "INSERT INTO server_settings (name, value) VALUES (?1, ?2) ON CONFLICT DO NOTHING";
+    /// The payment, `?1`–`?8` in the order of the `payments` table.
+    macro_rules! insert_payment {
+        () => {
+            "INSERT INTO payments
+                 (id, tenant, amount, currency, customer, description, status, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"
+        };
+    }
+    /// Its ledger entry, from the same parameters.
+    macro_rules! insert_ledger_entry {
+        () => {
+            "INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?8)"
+        };
+    }
+    pub(super) const INSERT_PAYMENT: &str = insert_payment!();
+    pub(super) const INSERT_LEDGER_ENTRY: &str = insert_ledger_entry!();
+    /// Both, in one string: sqlx binds `?N` by number across its statements.
+    pub(super) const INSERT_PAYMENT_AND_LEDGER_ENTRY: &str =
+        concat!(insert_payment!(), ";\n", insert_ledger_entry!());
+    pub(super) const PAYMENT: &str = "SELECT * FROM payments WHERE tenant = ?1 AND id = ?2";
+    pub(super) const PAYMENTS: &str =
+        "SELECT * FROM payments WHERE tenant = ?1 ORDER BY created_at DESC, id LIMIT ?2";
+    pub(super) const COUNT_PAYMENTS: &str = "SELECT count(*) FROM payments WHERE tenant = ?1";
+}
+
 impl AppDb for SqliteStore {
     const EMBEDDED: bool = true;
 
-    async fn missing_tables(&self) -> Result<Vec<&'static str>, sqlx::Error> {
+    async fn missing_tables(&self) -> anyhow::Result<Vec<&'static str>> {
         let mut missing = Vec::new();
         for table in REQUIRED_TABLES {
-            let found: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
-            )
-            .bind(table)
-            .fetch_one(self.pool())
-            .await?;
+            let found: i64 = sqlx::query_scalar(sqlite_sql::TABLE_EXISTS)
+                .bind(table)
+                .fetch_one(self.pool())
+                .await?;
             if found == 0 {
                 missing.push(table);
             }
@@ -118,14 +147,14 @@ impl AppDb for SqliteStore {
         Ok(missing)
     }
 
-    async fn setting(&self, name: &str) -> Result<Option<Vec<u8>>, sqlx::Error> {
-        sqlx::query_scalar("SELECT value FROM server_settings WHERE name = ?1")
+    async fn setting(&self, name: &str) -> anyhow::Result<Option<Vec<u8>>> {
+        Ok(sqlx::query_scalar(sqlite_sql::SETTING)
             .bind(name)
             .fetch_optional(self.pool())
-            .await
+            .await?)
     }
 
-    async fn ping(&self) -> Result<(), sqlx::Error> {
+    async fn ping(&self) -> anyhow::Result<()> {
         sqlx::query("SELECT 1").execute(self.pool()).await?;
         Ok(())
     }
@@ -136,66 +165,153 @@ impl AppDb for SqliteStore {
         Ok(())
     }
 
-    async fn insert_payment(conn: &mut SqliteConnection, p: &Payment) -> Result<(), sqlx::Error> {
-        // Both rows in one call to SQLite (one hand-off to the connection's worker thread);
-        // the statements share the numbered parameters.
-        bind_payment(
-            sqlx::query(
-                "INSERT INTO payments
-                 (id, tenant, amount, currency, customer, description, status, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8);
-             INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?8)",
-            ),
-            p,
-        )
-        .execute(conn)
-        .await?;
+    async fn insert_payment(conn: &mut SqliteConnection, p: &Payment) -> anyhow::Result<()> {
+        // Both rows in one call to SQLite (one hand-off to the connection's worker thread).
+        bind_payment(sqlx::query(sqlite_sql::INSERT_PAYMENT_AND_LEDGER_ENTRY), p)
+            .execute(conn)
+            .await?;
         Ok(())
     }
 
-    async fn payment(&self, tenant: &str, id: &str) -> Result<Option<Payment>, sqlx::Error> {
-        sqlx::query_as("SELECT * FROM payments WHERE tenant = ?1 AND id = ?2")
+    async fn payment(&self, tenant: &str, id: &str) -> anyhow::Result<Option<Payment>> {
+        Ok(sqlx::query_as(sqlite_sql::PAYMENT)
             .bind(tenant)
             .bind(id)
             .fetch_optional(self.pool())
-            .await
+            .await?)
     }
 
-    async fn payments(&self, tenant: &str, limit: i64) -> Result<(Vec<Payment>, i64), sqlx::Error> {
-        let data = sqlx::query_as(
-            "SELECT * FROM payments WHERE tenant = ?1 ORDER BY created_at DESC, id LIMIT ?2",
-        )
-        .bind(tenant)
-        .bind(limit)
-        .fetch_all(self.pool())
-        .await?;
-        let total = sqlx::query_scalar("SELECT count(*) FROM payments WHERE tenant = ?1")
+    async fn payments(&self, tenant: &str, limit: i64) -> anyhow::Result<(Vec<Payment>, i64)> {
+        let data = sqlx::query_as(sqlite_sql::PAYMENTS)
+            .bind(tenant)
+            .bind(limit)
+            .fetch_all(self.pool())
+            .await?;
+        let total = sqlx::query_scalar(sqlite_sql::COUNT_PAYMENTS)
             .bind(tenant)
             .fetch_one(self.pool())
             .await?;
         Ok((data, total))
     }
 
-    async fn setting_or_init(&self, name: &str, value: &[u8]) -> Result<Vec<u8>, sqlx::Error> {
-        sqlx::query(
-            "INSERT INTO server_settings (name, value) VALUES (?1, ?2) ON CONFLICT DO NOTHING",
-        )
-        .bind(name)
-        .bind(value)
-        .execute(self.pool())
-        .await?;
-        sqlx::query_scalar("SELECT value FROM server_settings WHERE name = ?1")
+    async fn setting_or_init(&self, name: &str, value: &[u8]) -> anyhow::Result<Vec<u8>> {
+        sqlx::query(sqlite_sql::INIT_SETTING)
+            .bind(name)
+            .bind(value)
+            .execute(self.pool())
+            .await?;
+        Ok(sqlx::query_scalar(sqlite_sql::SETTING)
             .bind(name)
             .fetch_one(self.pool())
-            .await
+            .await?)
+    }
+}
+
+/// A payment's columns as rusqlite parameters `?1`–`?8`, in the order of the table.
+fn payment_params(p: &Payment) -> impl rusqlite::Params + '_ {
+    (
+        &p.id,
+        &p.tenant,
+        p.amount,
+        &p.currency,
+        &p.customer,
+        &p.description,
+        &p.status,
+        &p.created_at,
+    )
+}
+
+fn payment_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Payment> {
+    Ok(Payment {
+        id: row.get("id")?,
+        tenant: row.get("tenant")?,
+        amount: row.get("amount")?,
+        currency: row.get("currency")?,
+        customer: row.get("customer")?,
+        description: row.get("description")?,
+        status: row.get("status")?,
+        created_at: row.get("created_at")?,
+    })
+}
+
+impl AppDb for RusqliteStore {
+    const EMBEDDED: bool = true;
+
+    async fn missing_tables(&self) -> anyhow::Result<Vec<&'static str>> {
+        Ok(self.with_connection(|c| {
+            let mut exists = c.prepare_cached(sqlite_sql::TABLE_EXISTS)?;
+            let mut missing = Vec::new();
+            for table in REQUIRED_TABLES {
+                if exists.query_row([table], |r| r.get::<_, i64>(0))? == 0 {
+                    missing.push(table);
+                }
+            }
+            Ok(missing)
+        })?)
+    }
+
+    async fn setting(&self, name: &str) -> anyhow::Result<Option<Vec<u8>>> {
+        Ok(self.with_connection(|c| {
+            c.query_row(sqlite_sql::SETTING, [name], |r| r.get(0))
+                .optional()
+        })?)
+    }
+
+    async fn ping(&self) -> anyhow::Result<()> {
+        Ok(self.with_connection(|c| c.query_row("SELECT 1", [], |_| Ok(())))?)
+    }
+
+    async fn migrate_all(&self) -> anyhow::Result<()> {
+        self.migrate().await?;
+        // The payments API's migrations are sqlx's, as on `SqliteStore`, through a
+        // short-lived sqlx connection to the same file.
+        let url = format!("sqlite:{}", self.path().display());
+        let sqlx = SqliteStore::connect(&url).await?;
+        let migrated = SQLITE_APP_MIGRATIONS.run(sqlx.pool()).await;
+        sqlx.pool().close().await;
+        Ok(migrated?)
+    }
+
+    async fn insert_payment(conn: &mut rusqlite::Connection, p: &Payment) -> anyhow::Result<()> {
+        // On the calling thread, in the writer's turn: no hand-off.
+        conn.prepare_cached(sqlite_sql::INSERT_PAYMENT)?
+            .execute(payment_params(p))?;
+        conn.prepare_cached(sqlite_sql::INSERT_LEDGER_ENTRY)?
+            .execute(payment_params(p))?;
+        Ok(())
+    }
+
+    async fn payment(&self, tenant: &str, id: &str) -> anyhow::Result<Option<Payment>> {
+        Ok(self.with_connection(|c| {
+            c.prepare_cached(sqlite_sql::PAYMENT)?
+                .query_row([tenant, id], payment_row)
+                .optional()
+        })?)
+    }
+
+    async fn payments(&self, tenant: &str, limit: i64) -> anyhow::Result<(Vec<Payment>, i64)> {
+        Ok(self.with_connection(|c| {
+            let data = c
+                .prepare_cached(sqlite_sql::PAYMENTS)?
+                .query_map(rusqlite::params![tenant, limit], payment_row)?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            let total = c.query_row(sqlite_sql::COUNT_PAYMENTS, [tenant], |r| r.get(0))?;
+            Ok((data, total))
+        })?)
+    }
+
+    async fn setting_or_init(&self, name: &str, value: &[u8]) -> anyhow::Result<Vec<u8>> {
+        Ok(self.with_connection(|c| {
+            c.execute(sqlite_sql::INIT_SETTING, rusqlite::params![name, value])?;
+            c.query_row(sqlite_sql::SETTING, [name], |r| r.get(0))
+        })?)
     }
 }
 
 impl AppDb for PgStore {
     const EMBEDDED: bool = false;
 
-    async fn missing_tables(&self) -> Result<Vec<&'static str>, sqlx::Error> {
+    async fn missing_tables(&self) -> anyhow::Result<Vec<&'static str>> {
         let mut missing = Vec::new();
         for table in REQUIRED_TABLES {
             let found: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
@@ -209,14 +325,15 @@ impl AppDb for PgStore {
         Ok(missing)
     }
 
-    async fn setting(&self, name: &str) -> Result<Option<Vec<u8>>, sqlx::Error> {
+    async fn setting(&self, name: &str) -> anyhow::Result<Option<Vec<u8>>> {
         sqlx::query_scalar("SELECT value FROM server_settings WHERE name = $1")
             .bind(name)
             .fetch_optional(self.pool())
             .await
+            .map_err(Into::into)
     }
 
-    async fn ping(&self) -> Result<(), sqlx::Error> {
+    async fn ping(&self) -> anyhow::Result<()> {
         // Connections are not pinged when handed out: after a restart the idle ones are
         // dead, and each failed try closes one (bounded by the pool size, plus a new one).
         let attempts = self.pool().options().get_max_connections() + 1;
@@ -227,7 +344,7 @@ impl AppDb for PgStore {
                 Err(e) if attempt < attempts && idemkey_core::is_connection_lost(&e) => {
                     attempt += 1;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
     }
@@ -238,7 +355,7 @@ impl AppDb for PgStore {
         Ok(())
     }
 
-    async fn insert_payment(conn: &mut PgConnection, p: &Payment) -> Result<(), sqlx::Error> {
+    async fn insert_payment(conn: &mut PgConnection, p: &Payment) -> anyhow::Result<()> {
         // Both rows in one statement (one round trip): the ledger entry is made from the
         // payment row the first insert returns.
         bind_payment(
@@ -259,15 +376,16 @@ impl AppDb for PgStore {
         Ok(())
     }
 
-    async fn payment(&self, tenant: &str, id: &str) -> Result<Option<Payment>, sqlx::Error> {
+    async fn payment(&self, tenant: &str, id: &str) -> anyhow::Result<Option<Payment>> {
         sqlx::query_as("SELECT * FROM payments WHERE tenant = $1 AND id = $2")
             .bind(tenant)
             .bind(id)
             .fetch_optional(self.pool())
             .await
+            .map_err(Into::into)
     }
 
-    async fn payments(&self, tenant: &str, limit: i64) -> Result<(Vec<Payment>, i64), sqlx::Error> {
+    async fn payments(&self, tenant: &str, limit: i64) -> anyhow::Result<(Vec<Payment>, i64)> {
         let data = sqlx::query_as(
             "SELECT * FROM payments WHERE tenant = $1 ORDER BY created_at DESC, id LIMIT $2",
         )
@@ -282,7 +400,7 @@ impl AppDb for PgStore {
         Ok((data, total))
     }
 
-    async fn setting_or_init(&self, name: &str, value: &[u8]) -> Result<Vec<u8>, sqlx::Error> {
+    async fn setting_or_init(&self, name: &str, value: &[u8]) -> anyhow::Result<Vec<u8>> {
         sqlx::query(
             "INSERT INTO server_settings (name, value) VALUES ($1, $2) ON CONFLICT DO NOTHING",
         )
@@ -294,6 +412,7 @@ impl AppDb for PgStore {
             .bind(name)
             .fetch_one(self.pool())
             .await
+            .map_err(Into::into)
     }
 }
 

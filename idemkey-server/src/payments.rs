@@ -157,36 +157,50 @@ pub(crate) async fn create_payment<S: AppDb>(
 }
 
 /// Why the database cannot take a write now, when `error` says it is that (full, read-only,
-/// locked, unreachable) rather than a refused statement. Classified by kind and code.
-fn unavailable(error: &sqlx::Error) -> Option<&'static str> {
-    match error {
+/// locked, unreachable) rather than a refused statement. Classified by kind and code, from
+/// sqlx (both stores' connections) or rusqlite (`RusqliteStore`'s).
+fn unavailable(error: &anyhow::Error) -> Option<&'static str> {
+    if let Some(e) = error.downcast_ref::<idemkey_sqlite::rusqlite::Error>() {
+        return match e {
+            idemkey_sqlite::rusqlite::Error::SqliteFailure(failure, _) => {
+                sqlite_unavailable(failure.extended_code)
+            }
+            _ => None,
+        };
+    }
+    match error.downcast_ref::<sqlx::Error>()? {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
             Some("the database is unreachable")
         }
-        sqlx::Error::Database(db) => {
+        e @ sqlx::Error::Database(db) => {
             let code = db.code()?;
             if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-                // Primary result codes: the low byte of an extended one.
-                match code.parse::<i32>().ok()? & 0xff {
-                    13 => Some("the database is full"),
-                    8 => Some("the database is read-only"),
-                    5 | 6 => Some("the database is locked by another writer"),
-                    10 => Some("the database file could not be read or written"),
-                    14 => Some("the database file could not be opened"),
-                    _ => None,
-                }
+                sqlite_unavailable(code.parse::<i32>().ok()?)
             } else if code == "53100" {
                 Some("the database's disk is full")
             } else if code.starts_with("53") {
                 Some("the database is out of resources")
             } else if code == "25006" {
                 Some("the database is read-only")
-            } else if idemkey_core::is_database_unavailable(error) {
+            } else if idemkey_core::is_database_unavailable(e) {
                 Some("the connection to the database was lost")
             } else {
                 None
             }
         }
+        _ => None,
+    }
+}
+
+/// Why SQLite cannot take a write now, from its (extended) result code: the primary code is
+/// its low byte.
+fn sqlite_unavailable(code: i32) -> Option<&'static str> {
+    match code & 0xff {
+        13 => Some("the database is full"),
+        8 => Some("the database is read-only"),
+        5 | 6 => Some("the database is locked by another writer"),
+        10 => Some("the database file could not be read or written"),
+        14 => Some("the database file could not be opened"),
         _ => None,
     }
 }

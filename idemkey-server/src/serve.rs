@@ -3,7 +3,7 @@
 
 use std::future::{Future, IntoFuture};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -15,10 +15,10 @@ use axum::response::IntoResponse;
 use idemkey_core::{StoreError, SystemClock};
 use idemkey_outbox::OutboxMetrics;
 use idemkey_postgres::PgStore;
-use idemkey_sqlite::SqliteStore;
+use idemkey_sqlite::RusqliteStore;
 use idemkey_tower::{InFlightPolicy, Metrics, PurgeTask};
 use rand::RngCore;
-use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::sqlite::SqliteConnectOptions;
 use tower::ServiceExt;
 
 use crate::cli::{KeySecretArgs, OutboxArgs};
@@ -30,8 +30,9 @@ use crate::{ApiKeys, AppConfig, AppDb, app};
 /// A connected database of either kind.
 #[derive(Debug, Clone)]
 pub enum Database {
-    /// `sqlite:…`
-    Sqlite(SqliteStore),
+    /// `sqlite:…`, on the store that runs its statements on the calling thread
+    /// (docs/decisions.md, "SQLite's writer without sqlx's worker thread").
+    Sqlite(RusqliteStore),
     /// `postgres://…`
     Postgres(PgStore),
 }
@@ -48,8 +49,8 @@ pub async fn connect(
     lock_wait: Duration,
 ) -> anyhow::Result<Database> {
     if url.starts_with("sqlite:") {
-        let store = SqliteStore::connect_with_busy_timeout(url, lock_wait)
-            .await
+        let file = sqlite_file(url)?;
+        let store = RusqliteStore::open_with_busy_timeout(&file, lock_wait)
             .with_context(|| format!("cannot open the SQLite database {url}"))?;
         Ok(Database::Sqlite(store))
     } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
@@ -74,24 +75,15 @@ pub async fn open_existing(
         "pass --database-url (or IDEMKEY_DATABASE_URL) naming the database `idemkey serve` uses";
     let shown = redacted(url);
     let db = if url.starts_with("sqlite:") {
-        let options = SqliteConnectOptions::from_str(url)
-            .with_context(|| format!("invalid SQLite URL `{url}`"))?;
-        let file = options.get_filename();
-        if file != Path::new(":memory:") && !file.exists() {
+        let file = sqlite_file(url)?;
+        if !file.exists() {
             anyhow::bail!("`{url}` does not exist; {fix}");
         }
-        // The journal mode is left as the file says (WAL once `serve` made it): setting it
-        // would write to a file that may not be ours.
-        let options = options
-            .create_if_missing(false)
-            .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(lock_wait);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(8)
-            .connect_with(options)
-            .await
+        // Opened as it is: nothing is created, and the journal mode is left as the file says
+        // (WAL once `serve` made it), as setting it would write to a file that may not be ours.
+        let store = RusqliteStore::open_existing(&file, lock_wait)
             .with_context(|| format!("cannot open the SQLite database `{url}`"))?;
-        Database::Sqlite(SqliteStore::new(pool))
+        Database::Sqlite(store)
     } else {
         connect(url, max_connections, lock_wait).await?
     };
@@ -105,6 +97,21 @@ pub async fn open_existing(
         );
     }
     Ok(db)
+}
+
+/// The file a `sqlite:` URL names, as sqlx reads the URL. An in-memory database is refused:
+/// each of the store's connections would open a database of its own.
+fn sqlite_file(url: &str) -> anyhow::Result<PathBuf> {
+    let options = SqliteConnectOptions::from_str(url)
+        .with_context(|| format!("invalid SQLite URL `{url}`"))?;
+    let file = options.get_filename();
+    if file == Path::new(":memory:") {
+        anyhow::bail!(
+            "`{url}` is an in-memory database, which the server's connections cannot share; \
+             name a file (sqlite:idemkey.db)"
+        );
+    }
+    Ok(file.to_owned())
 }
 
 /// Runs `$body` with `$store` bound to the concrete store of a [`Database`].

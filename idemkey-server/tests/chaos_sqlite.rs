@@ -9,10 +9,12 @@
 //! holds `BEGIN IMMEDIATE` on the same file. A full or read-only database cannot be made
 //! for a running server from outside: `PRAGMA max_page_count` and `query_only` hold per
 //! connection, and as root (these tests may run as root) file permissions do not stop a
-//! write, nor do they reach a file already open. So those two run the same payments API
-//! (`idemkey_server::app`) in this process, on a pool whose connections take the fault when
-//! they are handed out (`max_page_count` clamped to the file's size: SQLITE_FULL;
-//! `query_only`: SQLITE_READONLY), and the real client over loopback HTTP.
+//! write, nor do they reach a file already open. So those run the same payments API
+//! (`idemkey_server::app`) in this process, with the real client over loopback HTTP, once
+//! on each SQLite store: `RusqliteStore` (what `serve` runs), whose writer connection is
+//! given the fault, and `SqliteStore`, on a pool whose connections take it when they are
+//! handed out (`max_page_count` clamped to the file's size: SQLITE_FULL; `query_only`:
+//! SQLITE_READONLY).
 
 mod common;
 
@@ -24,8 +26,9 @@ use std::time::{Duration, Instant};
 use common::load::{self, Audit, OpResult};
 use common::{Answer, Api, Backend, TOKEN1};
 use idemkey_client::Operation;
+use idemkey_core::Store;
 use idemkey_server::{ApiKeys, AppConfig, AppDb, KeySecrets, app};
-use idemkey_sqlite::SqliteStore;
+use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use idemkey_tower::{InFlightPolicy, Metrics};
 use sqlx::Connection;
 use sqlx::sqlite::{
@@ -175,29 +178,100 @@ const FULL: u8 = 1;
 /// Every connection handed out is read-only (SQLITE_READONLY on the first write).
 const READ_ONLY: u8 = 2;
 
+/// The pragmas that put `fault` on a connection (or take any fault off it).
+fn pragmas(fault: u8) -> [&'static str; 2] {
+    [
+        // Below the file's size, max_page_count is clamped to it: no page may be added.
+        if fault == FULL {
+            "PRAGMA max_page_count = 1"
+        } else {
+            "PRAGMA max_page_count = 1073741823"
+        },
+        if fault == READ_ONLY {
+            "PRAGMA query_only = 1"
+        } else {
+            "PRAGMA query_only = 0"
+        },
+    ]
+}
+
 /// Puts the current fault on a connection about to be used.
 async fn apply(conn: &mut SqliteConnection, fault: u8) -> Result<(), sqlx::Error> {
-    // Below the file's size, max_page_count is clamped to it: no page may be added.
-    let pages = if fault == FULL {
-        "PRAGMA max_page_count = 1"
-    } else {
-        "PRAGMA max_page_count = 1073741823"
-    };
-    sqlx::query(pages).execute(&mut *conn).await?;
-    let read_only = if fault == READ_ONLY {
-        "PRAGMA query_only = 1"
-    } else {
-        "PRAGMA query_only = 0"
-    };
-    sqlx::query(read_only).execute(&mut *conn).await?;
+    for pragma in pragmas(fault) {
+        sqlx::query(pragma).execute(&mut *conn).await?;
+    }
     Ok(())
 }
 
-/// The payments API on a SQLite file whose connections take `fault` when handed out,
-/// served on loopback; returns its base URL and the file's URL.
-async fn faulty_server(dir: &std::path::Path, fault: Arc<AtomicU8>) -> (String, String) {
+/// Which SQLite store the payments API runs on.
+#[derive(Clone, Copy)]
+enum On {
+    /// `SqliteStore` on a pool whose connections take the fault when handed out.
+    Sqlx,
+    /// `RusqliteStore` (what `serve` runs), whose writer connection is given the fault.
+    Rusqlite,
+}
+
+/// Turns a fault on and off for a [`faulty_server`].
+enum Faults {
+    Pool(Arc<AtomicU8>),
+    Writer(RusqliteStore),
+}
+
+impl Faults {
+    async fn set(&self, fault: u8) {
+        match self {
+            Faults::Pool(current) => current.store(fault, Ordering::SeqCst),
+            Faults::Writer(store) => {
+                // The writer is the connection every write transaction runs on; the
+                // pragmas hold on it until it is closed.
+                let writer = store.acquire_for_write().await.expect("the writer");
+                for pragma in pragmas(fault) {
+                    writer.execute_batch(pragma).expect(pragma);
+                }
+            }
+        }
+    }
+}
+
+/// The payments API on a SQLite file whose writes take the fault of `Faults`, served on
+/// loopback; returns its base URL, the file's URL and the switch.
+async fn faulty_server(dir: &std::path::Path, on: On) -> (String, String, Faults) {
     let url = format!("sqlite:{}", dir.join("faulty.db").display());
-    let options = SqliteConnectOptions::from_str(&url)
+    let config = AppConfig {
+        api_keys: ApiKeys::new([("t1".to_owned(), TOKEN1.to_owned())]),
+        simulate_latency: Duration::ZERO,
+        retention: Duration::from_secs(24 * 3600),
+        in_flight: InFlightPolicy::default(),
+        outbox: None,
+    };
+    let secrets = KeySecrets::new(&b"chaos sqlite secret"[..], None);
+    let (router, faults) = match on {
+        On::Sqlx => {
+            let fault = Arc::new(AtomicU8::new(NONE));
+            let store = faulty_pool(&url, fault.clone()).await;
+            store.migrate_all().await.expect("migrations");
+            let router = app(store, &secrets, Metrics::new(), &config);
+            (router, Faults::Pool(fault))
+        }
+        On::Rusqlite => {
+            let store = RusqliteStore::open(dir.join("faulty.db")).expect("open the file");
+            store.migrate_all().await.expect("migrations");
+            let router = app(store.clone(), &secrets, Metrics::new(), &config);
+            (router, Faults::Writer(store))
+        }
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("address"));
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    (base, url, faults)
+}
+
+/// A `SqliteStore` on a pool whose connections take `fault` when handed out.
+async fn faulty_pool(url: &str, fault: Arc<AtomicU8>) -> SqliteStore {
+    let options = SqliteConnectOptions::from_str(url)
         .expect("a SQLite URL")
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
@@ -217,36 +291,15 @@ async fn faulty_server(dir: &std::path::Path, fault: Arc<AtomicU8>) -> (String, 
         .connect_with(options)
         .await
         .expect("open the SQLite file");
-    let store = SqliteStore::new(pool);
-    store.migrate_all().await.expect("migrations");
-    let config = AppConfig {
-        api_keys: ApiKeys::new([("t1".to_owned(), TOKEN1.to_owned())]),
-        simulate_latency: Duration::ZERO,
-        retention: Duration::from_secs(24 * 3600),
-        in_flight: InFlightPolicy::default(),
-        outbox: None,
-    };
-    let router = app(
-        store,
-        &KeySecrets::new(&b"chaos sqlite secret"[..], None),
-        Metrics::new(),
-        &config,
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("address"));
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    (base, url)
+    SqliteStore::new(pool)
 }
 
 /// Runs a SQLite fault: some payments before it, then payments sent once each (no retry)
 /// while it lasts, until `refused` of them were refused (bounded); then the fault goes and
 /// the client retries every operation with its own key. Returns the figures.
-async fn sqlite_fault(name: &str, fault_kind: u8) {
+async fn sqlite_fault(name: &str, fault_kind: u8, on: On) {
     let dir = tempfile::tempdir().expect("temporary directory");
-    let fault = Arc::new(AtomicU8::new(NONE));
-    let (base, url) = faulty_server(dir.path(), fault.clone()).await;
+    let (base, url, fault) = faulty_server(dir.path(), on).await;
     let api = Api::new(&base);
     let client = load::client(load::patient_policy());
     let bases = [base.clone()];
@@ -261,7 +314,7 @@ async fn sqlite_fault(name: &str, fault_kind: u8) {
     .await;
     assert!(before.iter().all(OpResult::succeeded));
 
-    fault.store(fault_kind, Ordering::SeqCst);
+    fault.set(fault_kind).await;
     let started = Instant::now();
     let wanted = (load::scaled(100) / 20).max(5);
     let mut refused = Vec::new();
@@ -309,7 +362,7 @@ async fn sqlite_fault(name: &str, fault_kind: u8) {
         "{name}: refused writes left nothing"
     );
 
-    fault.store(NONE, Ordering::SeqCst);
+    fault.set(NONE).await;
     let healed = Instant::now();
     let mut results = before;
     for (index, op, _) in during {
@@ -348,12 +401,37 @@ async fn sqlite_fault(name: &str, fault_kind: u8) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_database_refuses_clearly_and_leaves_nothing_half_written() {
-    sqlite_fault("SQLite database full (max_page_count)", FULL).await;
+    sqlite_fault("SQLite database full (max_page_count)", FULL, On::Sqlx).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_database_refuses_clearly_and_leaves_nothing_half_written() {
-    sqlite_fault("SQLite database read-only (query_only)", READ_ONLY).await;
+    sqlite_fault(
+        "SQLite database read-only (query_only)",
+        READ_ONLY,
+        On::Sqlx,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_database_refuses_clearly_and_leaves_nothing_half_written_on_rusqlite() {
+    sqlite_fault(
+        "RusqliteStore database full (max_page_count)",
+        FULL,
+        On::Rusqlite,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_database_refuses_clearly_and_leaves_nothing_half_written_on_rusqlite() {
+    sqlite_fault(
+        "RusqliteStore database read-only (query_only)",
+        READ_ONLY,
+        On::Rusqlite,
+    )
+    .await;
 }
 
 /// The database fills up at the payment's own insert, after the claim found room: the
@@ -366,9 +444,17 @@ async fn a_read_only_database_refuses_clearly_and_leaves_nothing_half_written() 
 /// is room for once no page may be added.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_full_at_the_payments_own_insert_is_a_503_that_says_so() {
+    full_at_the_payments_own_insert(On::Sqlx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_full_at_the_payments_own_insert_is_a_503_that_says_so_on_rusqlite() {
+    full_at_the_payments_own_insert(On::Rusqlite).await;
+}
+
+async fn full_at_the_payments_own_insert(on: On) {
     let dir = tempfile::tempdir().expect("temporary directory");
-    let fault = Arc::new(AtomicU8::new(NONE));
-    let (base, url) = faulty_server(dir.path(), fault.clone()).await;
+    let (base, url, fault) = faulty_server(dir.path(), on).await;
     let api = Api::new(&base);
     let mut other = SqliteConnection::connect(&url)
         .await
@@ -385,7 +471,7 @@ async fn a_database_full_at_the_payments_own_insert_is_a_503_that_says_so() {
             .await
             .unwrap_or_else(|e| panic!("{statement}: {e}"));
     }
-    fault.store(FULL, Ordering::SeqCst);
+    fault.set(FULL).await;
     let body = load::body(0).to_string();
     let full = api.pay_ok(TOKEN1, "full-at-payment", &body).await;
     assert_clear_503(&full, &["store-unavailable"]);
@@ -407,7 +493,7 @@ async fn a_database_full_at_the_payments_own_insert_is_a_503_that_says_so() {
         .execute(&mut other)
         .await
         .expect("drop the trigger");
-    fault.store(NONE, Ordering::SeqCst);
+    fault.set(NONE).await;
     let paid = api.pay_ok(TOKEN1, "full-at-payment", &body).await;
     assert_eq!(paid.status, 201, "{}", paid.text());
     assert!(!paid.replayed(), "the refused attempt left the key free");

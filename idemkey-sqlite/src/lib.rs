@@ -16,6 +16,7 @@
 //! "in flight"). The store's writers wait in a first-come, first-served queue in memory,
 //! not in SQLite's sleeping busy handler. Each claim transaction should still be short.
 
+mod evictions;
 mod outbox;
 mod rusqlite_outbox;
 mod rusqlite_store;
@@ -23,8 +24,9 @@ mod sql;
 mod store;
 mod writer;
 
+pub use self::evictions::EVICTION_POLL;
 pub use self::rusqlite_store::{RusqliteConnection, RusqliteStore, RusqliteTransaction};
-pub use self::store::{EVICTION_POLL, SqliteStore};
+pub use self::store::SqliteStore;
 pub use self::writer::{SqlitePooledConnection, SqliteTransaction};
 /// The rusqlite this crate's [`RusqliteStore`] is built on, for the application's effects.
 pub use rusqlite;

@@ -20,15 +20,15 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, AuditRow, Inserted, ListFilter, Members, NewRecord, Purged, Record, RecordId,
-    RecordRow, Store, StoreError, StoredResponse, Timestamp,
+    AuditEntry, AuditRow, EvictionNotices, Inserted, ListFilter, Members, NewRecord, Purged,
+    Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
 };
 use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::SqliteStore;
+use crate::evictions::{self, EVICTION_KEPT, Evictions};
 use crate::sql;
-use crate::store::EVICTION_KEPT;
 use crate::writer::WriterTimedOut;
 
 /// How many idle read connections a store keeps for [`Store::acquire`].
@@ -53,6 +53,9 @@ pub struct RusqliteStore {
 struct Shared {
     path: PathBuf,
     busy_timeout: Duration,
+    /// Whether connections create the file and set WAL mode (not for an operator's
+    /// command on an existing file).
+    create: bool,
     /// The writer turn, with the writer connection (`None` until first used, and after a
     /// statement that ends a transaction failed).
     turn: Arc<Mutex<Option<Connection>>>,
@@ -73,9 +76,28 @@ impl RusqliteStore {
         path: impl AsRef<Path>,
         busy_timeout: Duration,
     ) -> Result<Self, StoreError> {
+        Self::open_as(path, busy_timeout, true)
+    }
+
+    /// Opens the database file at `path`, which must exist, for an operator's command:
+    /// nothing is created, and the journal mode is left as the file says (WAL once a
+    /// store opened with [`open`](Self::open) made it).
+    pub fn open_existing(
+        path: impl AsRef<Path>,
+        busy_timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        Self::open_as(path, busy_timeout, false)
+    }
+
+    fn open_as(
+        path: impl AsRef<Path>,
+        busy_timeout: Duration,
+        create: bool,
+    ) -> Result<Self, StoreError> {
         let shared = Shared {
             path: path.as_ref().to_owned(),
             busy_timeout,
+            create,
             turn: Arc::new(Mutex::new(None)),
             idle: StdMutex::new(Vec::new()),
         };
@@ -122,20 +144,20 @@ impl RusqliteStore {
 
 impl Shared {
     fn connection(&self) -> Result<Connection, StoreError> {
-        let conn = Connection::open_with_flags(
-            &self.path,
-            OpenFlags::SQLITE_OPEN_READ_WRITE
-                | OpenFlags::SQLITE_OPEN_CREATE
-                | OpenFlags::SQLITE_OPEN_NO_MUTEX
-                | OpenFlags::SQLITE_OPEN_URI,
-        )
-        .map_err(|e| StoreError::Unavailable(Box::new(e)))?;
+        let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        if self.create {
+            flags |= OpenFlags::SQLITE_OPEN_CREATE;
+        }
+        let conn = Connection::open_with_flags(&self.path, flags)
+            .map_err(|e| StoreError::Unavailable(Box::new(e)))?;
         conn.busy_timeout(self.busy_timeout).map_err(error)?;
         // As `SqliteStore::connect` sets up its connections (sqlx enables foreign keys).
-        conn.execute_batch(
-            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;",
-        )
-        .map_err(error)?;
+        if self.create {
+            conn.execute_batch("PRAGMA journal_mode = WAL")
+                .map_err(error)?;
+        }
+        conn.execute_batch("PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON")
+            .map_err(error)?;
         conn.set_prepared_statement_cache_capacity(64);
         Ok(conn)
     }
@@ -673,5 +695,24 @@ impl Store for RusqliteStore {
             .and_then(|mut s| s.execute(params![&id.digest()[..], now.as_millis()]))
             .map_err(error)?;
         Ok(())
+    }
+
+    fn eviction_notices(&self) -> Option<EvictionNotices> {
+        Some(evictions::follow(self.clone()))
+    }
+}
+
+/// Reads through an idle connection of the store's, outside the writer's turn.
+impl Evictions for RusqliteStore {
+    async fn newest(&self) -> Result<i64, StoreError> {
+        self.with_connection(|c| c.query_row(evictions::NEWEST, [], |r| r.get(0)))
+    }
+
+    async fn after(&self, seq: i64) -> Result<Vec<(i64, Vec<u8>)>, StoreError> {
+        self.with_connection(|c| {
+            c.prepare_cached(evictions::AFTER)?
+                .query_map(params![seq], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect()
+        })
     }
 }

@@ -1,13 +1,13 @@
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
-    AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
-    ListFilter, Members, NewRecord, Purged, Record, RecordId, RecordRow, Store, StoreError,
-    StoredResponse, Timestamp, bind_completion, classify_error,
+    AuditEntry, AuditRow, Begun, CommitError, EvictionNotices, Inserted, ListFilter, Members,
+    NewRecord, Purged, Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
+    bind_completion, classify_error,
 };
 use sqlx::Sqlite;
 use sqlx::migrate::{MigrateError, Migrator};
@@ -17,6 +17,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, SqlSafeStr};
 
+use crate::evictions::{self, EVICTION_KEPT, Evictions};
 use crate::sql;
 use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 
@@ -118,69 +119,20 @@ fn is_busy(code: &str) -> bool {
     code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6))
 }
 
-/// How often a process looks for evictions another process announced (an operator's
-/// `idemkey keys evict`): an evicted answer stops being replayed from memory within about
-/// this long.
-pub const EVICTION_POLL: Duration = Duration::from_millis(500);
+impl Evictions for SqlitePool {
+    async fn newest(&self) -> Result<i64, StoreError> {
+        sqlx::query_scalar(evictions::NEWEST)
+            .fetch_one(self)
+            .await
+            .map_err(error)
+    }
 
-/// How long announced evictions are kept for processes to read.
-pub(crate) const EVICTION_KEPT: Duration = Duration::from_secs(24 * 3600);
-
-/// Follows `idemkey_evictions` for [`Store::eviction_notices`]: the newest sequence number
-/// seen, and the notices read but not handed out yet.
-struct Poll {
-    pool: SqlitePool,
-    /// `None` until the table has been read (and after a failed read).
-    last: Option<i64>,
-    pending: VecDeque<[u8; 32]>,
-}
-
-impl Poll {
-    async fn next(mut self) -> (EvictionNotice, Self) {
-        loop {
-            if let Some(digest) = self.pending.pop_front() {
-                return (EvictionNotice::Evicted(digest), self);
-            }
-            let Some(last) = self.last else {
-                let newest = sqlx::query_scalar::<_, i64>(
-                    "SELECT COALESCE(MAX(seq), 0) FROM idemkey_evictions",
-                )
-                .fetch_one(&self.pool)
-                .await;
-                match newest {
-                    Ok(seq) => {
-                        self.last = Some(seq);
-                        return (EvictionNotice::Listening, self);
-                    }
-                    Err(_) => {
-                        tokio::time::sleep(EVICTION_POLL).await;
-                        continue;
-                    }
-                }
-            };
-            tokio::time::sleep(EVICTION_POLL).await;
-            let rows = sqlx::query_as::<_, (i64, Vec<u8>)>(
-                "SELECT seq, record_digest FROM idemkey_evictions WHERE seq > ?1
-                  ORDER BY seq LIMIT 1000",
-            )
-            .bind(last)
-            .fetch_all(&self.pool)
-            .await;
-            match rows {
-                Ok(rows) => {
-                    for (seq, digest) in rows {
-                        self.last = Some(seq);
-                        if let Ok(digest) = <[u8; 32]>::try_from(digest.as_slice()) {
-                            self.pending.push_back(digest);
-                        }
-                    }
-                }
-                Err(_) => {
-                    self.last = None;
-                    return (EvictionNotice::Lost, self);
-                }
-            }
-        }
+    async fn after(&self, seq: i64) -> Result<Vec<(i64, Vec<u8>)>, StoreError> {
+        sqlx::query_as(evictions::AFTER)
+            .bind(seq)
+            .fetch_all(self)
+            .await
+            .map_err(error)
     }
 }
 
@@ -864,13 +816,6 @@ impl Store for SqliteStore {
     }
 
     fn eviction_notices(&self) -> Option<EvictionNotices> {
-        let poll = Poll {
-            pool: self.pool.clone(),
-            last: None,
-            pending: VecDeque::new(),
-        };
-        Some(Box::pin(futures::stream::unfold(poll, |poll| async {
-            Some(poll.next().await)
-        })))
+        Some(evictions::follow(self.pool.clone()))
     }
 }
