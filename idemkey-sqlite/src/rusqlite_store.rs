@@ -14,11 +14,13 @@
 //! The SQL is the one [`SqliteStore`](crate::SqliteStore) runs (`sql.rs`), and the two
 //! share a database file and its migrations.
 
+use std::collections::HashSet;
 use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
+use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
     AuditEntry, AuditRow, EvictionNotices, Inserted, ListFilter, Members, NewRecord, Purged,
     Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
@@ -29,6 +31,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use crate::SqliteStore;
 use crate::evictions::{self, EVICTION_KEPT, Evictions};
 use crate::sql;
+use crate::store::{GROUP_WRITERS, busy_for_each};
 use crate::writer::WriterTimedOut;
 
 /// How many idle read connections a store keeps for [`Store::acquire`].
@@ -61,6 +64,9 @@ struct Shared {
     turn: Arc<Mutex<Option<Connection>>>,
     /// Idle connections for reads and autocommit statements.
     idle: StdMutex<Vec<Connection>>,
+    /// External mode's reservations and completions, committed in groups (as
+    /// `SqliteStore`'s): one transaction in one turn of the writer for each group.
+    grouped: GroupedWrites,
 }
 
 impl RusqliteStore {
@@ -100,6 +106,7 @@ impl RusqliteStore {
             create,
             turn: Arc::new(Mutex::new(None)),
             idle: StdMutex::new(Vec::new()),
+            grouped: GroupedWrites::new(GROUP_WRITERS),
         };
         // Opened now, so a path that cannot be opened fails here, and WAL is set up before
         // any other connection opens the file.
@@ -349,6 +356,55 @@ fn changed_one(
     Ok(changed(conn, statement, params)? == 1)
 }
 
+/// The claim's `INSERT … ON CONFLICT DO NOTHING RETURNING token`: `Some` when it inserted.
+fn insert_row(conn: &Connection, r: &NewRecord) -> Result<Option<i64>, StoreError> {
+    conn.prepare_cached(sql::INSERT)
+        .and_then(|mut s| {
+            s.query_row(
+                params![
+                    r.id.tenant,
+                    &r.id.key_hash[..],
+                    r.id.route,
+                    &r.fingerprint.digest[..],
+                    r.fingerprint.parts.to_bytes(),
+                    r.state.as_str(),
+                    r.lease_expires_at.map(Timestamp::as_millis),
+                    r.now.as_millis(),
+                    r.expires_at.as_millis(),
+                    r.sealed_key.as_deref(),
+                    r.fingerprint.members.as_ref().map(Members::to_bytes),
+                ],
+                |row| row.get(0),
+            )
+            .optional()
+        })
+        .map_err(error)
+}
+
+/// The completion's `UPDATE`, guarded by the token: whether it matched its row.
+fn complete_row(
+    conn: &Connection,
+    id: &RecordId,
+    token: i64,
+    response: &StoredResponse,
+    now: Timestamp,
+) -> Result<bool, StoreError> {
+    changed_one(
+        conn,
+        sql::COMPLETE,
+        params![
+            id.tenant,
+            &id.key_hash[..],
+            id.route,
+            token,
+            i32::from(response.status),
+            response.encode_headers(),
+            &response.body[..],
+            now.as_millis(),
+        ],
+    )
+}
+
 impl Store for RusqliteStore {
     type Connection = Connection;
     type Transaction = RusqliteTransaction;
@@ -380,6 +436,27 @@ impl Store for RusqliteStore {
         )))
     }
 
+    /// Concurrent reservations are written in groups, in one transaction in one turn of the
+    /// writer each, each answered once its group committed, as [`insert`](Store::insert)
+    /// would have answered it alone (`idemkey_core::group`).
+    async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
+        self.shared.grouped.insert(self, record).await
+    }
+
+    /// Concurrent completions are written in groups, as reservations are.
+    async fn complete_autocommit(
+        &self,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        self.shared
+            .grouped
+            .complete(self, id, token, response, now)
+            .await
+    }
+
     async fn acquire_for_write(&self) -> Result<RusqliteConnection, StoreError> {
         let turn = self.shared.turn().await?;
         Ok(RusqliteConnection(Autocommit::Writer(turn)))
@@ -388,29 +465,7 @@ impl Store for RusqliteStore {
     async fn insert(&self, conn: &mut Connection, r: &NewRecord) -> Result<Inserted, StoreError> {
         // As `SqliteStore::insert`: in the claim's `BEGIN IMMEDIATE` transaction the row
         // the insert conflicted with is committed, and the read finds it.
-        let owned: Option<i64> = conn
-            .prepare_cached(sql::INSERT)
-            .and_then(|mut s| {
-                s.query_row(
-                    params![
-                        r.id.tenant,
-                        &r.id.key_hash[..],
-                        r.id.route,
-                        &r.fingerprint.digest[..],
-                        r.fingerprint.parts.to_bytes(),
-                        r.state.as_str(),
-                        r.lease_expires_at.map(Timestamp::as_millis),
-                        r.now.as_millis(),
-                        r.expires_at.as_millis(),
-                        r.sealed_key.as_deref(),
-                        r.fingerprint.members.as_ref().map(Members::to_bytes),
-                    ],
-                    |row| row.get(0),
-                )
-                .optional()
-            })
-            .map_err(error)?;
-        if owned.is_some() {
+        if insert_row(conn, r)?.is_some() {
             return Ok(Inserted::Owned);
         }
         Ok(match self.fetch(conn, &r.id).await? {
@@ -472,20 +527,7 @@ impl Store for RusqliteStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        changed_one(
-            conn,
-            sql::COMPLETE,
-            params![
-                id.tenant,
-                &id.key_hash[..],
-                id.route,
-                token,
-                i32::from(response.status),
-                response.encode_headers(),
-                &response.body[..],
-                now.as_millis(),
-            ],
-        )
+        complete_row(conn, id, token, response, now)
     }
 
     async fn renew(
@@ -714,5 +756,67 @@ impl Evictions for RusqliteStore {
                 .query_map(params![seq], |r| Ok((r.get(0)?, r.get(1)?)))?
                 .collect()
         })
+    }
+}
+
+impl RusqliteStore {
+    /// Runs `write` in one write transaction (one turn of the writer) and commits it; on an
+    /// error nothing of it is committed.
+    async fn in_one_transaction<T>(
+        &self,
+        write: impl FnOnce(&Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let tx = self.begin().await?;
+        let written = write(&tx)?;
+        tx.commit()?;
+        Ok(written)
+    }
+}
+
+/// A group is the writes one at a time, in one transaction: without a hand-off to share,
+/// what the group saves is the commits.
+impl GroupWriter for RusqliteStore {
+    async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
+        let (rows, in_group) = group::plan(&records, |r| &r.id);
+        let owned = self
+            .in_one_transaction(|conn| {
+                let mut owned = HashSet::new();
+                for r in &rows {
+                    if insert_row(conn, r)?.is_some() {
+                        owned.insert(r.id.clone());
+                    }
+                }
+                Ok(owned)
+            })
+            .await;
+        let from_group = |r: &NewRecord| match &owned {
+            Ok(owned) => Some(Ok(if owned.contains(&r.id) {
+                Inserted::Owned
+            } else {
+                Inserted::Conflict
+            })),
+            Err(e) => busy_for_each(e, rows.len()).map(Err),
+        };
+        group::answer_each(&records, &in_group, from_group, |r| self.insert_alone(r)).await
+    }
+
+    async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
+        let (rows, in_group) = group::plan(&group, |c| &c.id);
+        let completed = self
+            .in_one_transaction(|conn| {
+                let mut completed = HashSet::new();
+                for c in &rows {
+                    if complete_row(conn, &c.id, c.token, &c.response, c.now)? {
+                        completed.insert(c.id.clone());
+                    }
+                }
+                Ok(completed)
+            })
+            .await;
+        let from_group = |c: &Completion| match &completed {
+            Ok(completed) => Some(Ok(completed.contains(&c.id))),
+            Err(e) => busy_for_each(e, rows.len()).map(Err),
+        };
+        group::answer_each(&group, &in_group, from_group, |c| self.complete_alone(c)).await
     }
 }

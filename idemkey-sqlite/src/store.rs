@@ -24,7 +24,7 @@ use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 /// External mode's grouped writes: one group of each kind at a time. The writer takes them
 /// in turns anyway, and a second group only splits the waiting writes (the gateway's fresh
 /// requests were 8–21 % slower with two, in both benchmarks).
-const GROUP_WRITERS: usize = 1;
+pub(crate) const GROUP_WRITERS: usize = 1;
 
 /// An idempotency store in a SQLite database.
 ///
@@ -297,7 +297,7 @@ fn value_rows(values: usize, width: usize) -> String {
 /// A grouped statement that SQLite refused as busy wrote nothing (another process held
 /// the write lock past the busy time-out): each of its writers gets that answer, as it
 /// would alone, rather than each waiting again in turn.
-fn busy_for_each(e: &StoreError, writes: usize) -> Option<StoreError> {
+pub(crate) fn busy_for_each(e: &StoreError, writes: usize) -> Option<StoreError> {
     let StoreError::Busy(source) = e else {
         return None;
     };
