@@ -16,6 +16,7 @@
 //! "in flight"). The store's writers wait in a first-come, first-served queue in memory,
 //! not in SQLite's sleeping busy handler. Each claim transaction should still be short.
 
+mod checkpoint;
 mod evictions;
 mod outbox;
 mod rusqlite_outbox;

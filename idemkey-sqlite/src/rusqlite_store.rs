@@ -29,6 +29,7 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::SqliteStore;
+use crate::checkpoint::Checkpoints;
 use crate::evictions::{self, EVICTION_KEPT, Evictions};
 use crate::sql;
 use crate::store::{GROUP_WRITERS, busy_for_each};
@@ -67,6 +68,8 @@ struct Shared {
     /// External mode's reservations and completions, committed in groups (as
     /// `SqliteStore`'s): one transaction in one turn of the writer for each group.
     grouped: GroupedWrites,
+    /// The WAL's checkpoints, out of the writer's turn (`checkpoint.rs`).
+    checkpoints: Checkpoints,
 }
 
 impl RusqliteStore {
@@ -100,17 +103,23 @@ impl RusqliteStore {
         busy_timeout: Duration,
         create: bool,
     ) -> Result<Self, StoreError> {
+        let path = path.as_ref().to_owned();
+        // Opened now, so a path that cannot be opened fails here, and WAL is set up before
+        // any other connection opens the file (the checkpointer's among them).
+        let writer = writer_connection(&path, busy_timeout, create)?;
+        let checkpoints = {
+            let path = path.clone();
+            Checkpoints::start(move || connection(&path, busy_timeout, false))?
+        };
         let shared = Shared {
-            path: path.as_ref().to_owned(),
+            path,
             busy_timeout,
             create,
             turn: Arc::new(Mutex::new(None)),
             idle: StdMutex::new(Vec::new()),
             grouped: GroupedWrites::new(GROUP_WRITERS),
+            checkpoints,
         };
-        // Opened now, so a path that cannot be opened fails here, and WAL is set up before
-        // any other connection opens the file.
-        let writer = shared.connection()?;
         *shared
             .turn
             .try_lock()
@@ -149,24 +158,47 @@ impl RusqliteStore {
     }
 }
 
+/// A connection to `path`, set up as `SqliteStore::connect` sets up its own; `create`: the
+/// file is created when missing and put in WAL mode.
+fn connection(path: &Path, busy_timeout: Duration, create: bool) -> Result<Connection, StoreError> {
+    let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    if create {
+        flags |= OpenFlags::SQLITE_OPEN_CREATE;
+    }
+    let conn = Connection::open_with_flags(path, flags)
+        .map_err(|e| StoreError::Unavailable(Box::new(e)))?;
+    conn.busy_timeout(busy_timeout).map_err(error)?;
+    // As `SqliteStore::connect` sets up its connections (sqlx enables foreign keys).
+    if create {
+        conn.execute_batch("PRAGMA journal_mode = WAL")
+            .map_err(error)?;
+    }
+    conn.execute_batch("PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON")
+        .map_err(error)?;
+    conn.set_prepared_statement_cache_capacity(64);
+    Ok(conn)
+}
+
+/// The writer connection: [`connection`], without SQLite's automatic checkpoint, which the
+/// store's checkpointer does instead (`checkpoint.rs`).
+fn writer_connection(
+    path: &Path,
+    busy_timeout: Duration,
+    create: bool,
+) -> Result<Connection, StoreError> {
+    let conn = connection(path, busy_timeout, create)?;
+    conn.execute_batch("PRAGMA wal_autocheckpoint = 0")
+        .map_err(error)?;
+    Ok(conn)
+}
+
 impl Shared {
     fn connection(&self) -> Result<Connection, StoreError> {
-        let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        if self.create {
-            flags |= OpenFlags::SQLITE_OPEN_CREATE;
-        }
-        let conn = Connection::open_with_flags(&self.path, flags)
-            .map_err(|e| StoreError::Unavailable(Box::new(e)))?;
-        conn.busy_timeout(self.busy_timeout).map_err(error)?;
-        // As `SqliteStore::connect` sets up its connections (sqlx enables foreign keys).
-        if self.create {
-            conn.execute_batch("PRAGMA journal_mode = WAL")
-                .map_err(error)?;
-        }
-        conn.execute_batch("PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON")
-            .map_err(error)?;
-        conn.set_prepared_statement_cache_capacity(64);
-        Ok(conn)
+        connection(&self.path, self.busy_timeout, self.create)
+    }
+
+    fn writer_connection(&self) -> Result<Connection, StoreError> {
+        writer_connection(&self.path, self.busy_timeout, self.create)
     }
 
     fn idle_connection(&self) -> Result<Connection, StoreError> {
@@ -198,7 +230,7 @@ impl Shared {
                 .map_err(|_| StoreError::Busy(Box::new(WriterTimedOut(self.busy_timeout))))?,
         };
         if turn.is_none() {
-            *turn = Some(self.connection()?);
+            *turn = Some(self.writer_connection()?);
         }
         Ok(turn)
     }
@@ -219,13 +251,16 @@ pub(crate) fn error(e: rusqlite::Error) -> StoreError {
 #[derive(Debug)]
 pub struct RusqliteTransaction {
     turn: OwnedMutexGuard<Option<Connection>>,
+    shared: Arc<Shared>,
 }
 
 impl RusqliteTransaction {
     /// Commits, then lets the next transaction in. When the `COMMIT` fails and leaves the
     /// transaction open, dropping `self` rolls it back.
     pub fn commit(self) -> Result<(), StoreError> {
-        self.execute_batch("COMMIT").map_err(error)
+        self.execute_batch("COMMIT").map_err(error)?;
+        self.shared.checkpoints.after_commit(&self);
+        Ok(())
     }
 }
 
@@ -273,7 +308,8 @@ pub struct RusqliteConnection(Autocommit);
 #[derive(Debug)]
 enum Autocommit {
     Idle(Option<Connection>, Arc<Shared>),
-    Writer(OwnedMutexGuard<Option<Connection>>),
+    /// The writer, with the store whose checkpointer counts what it committed.
+    Writer(OwnedMutexGuard<Option<Connection>>, Arc<Shared>),
 }
 
 impl Deref for RusqliteConnection {
@@ -282,7 +318,7 @@ impl Deref for RusqliteConnection {
     fn deref(&self) -> &Connection {
         match &self.0 {
             Autocommit::Idle(conn, _) => conn.as_ref(),
-            Autocommit::Writer(turn) => turn.as_ref(),
+            Autocommit::Writer(turn, _) => turn.as_ref(),
         }
         .expect("the connection is there until dropped")
     }
@@ -292,7 +328,7 @@ impl DerefMut for RusqliteConnection {
     fn deref_mut(&mut self) -> &mut Connection {
         match &mut self.0 {
             Autocommit::Idle(conn, _) => conn.as_mut(),
-            Autocommit::Writer(turn) => turn.as_mut(),
+            Autocommit::Writer(turn, _) => turn.as_mut(),
         }
         .expect("the connection is there until dropped")
     }
@@ -306,7 +342,13 @@ impl Drop for RusqliteConnection {
                     shared.give_back(conn);
                 }
             }
-            Autocommit::Writer(turn) => roll_back_what_is_open(turn),
+            Autocommit::Writer(turn, shared) => {
+                roll_back_what_is_open(turn);
+                // Its statements committed one by one; counted as one commit.
+                if let Some(writer) = turn.as_ref() {
+                    shared.checkpoints.after_commit(writer);
+                }
+            }
         }
     }
 }
@@ -415,13 +457,16 @@ impl Store for RusqliteStore {
         let conn = turn.as_mut().expect("the turn opened the writer");
         if !conn.is_autocommit() {
             // Not left so by this store; closing it rolls back whatever is open on it.
-            *turn = Some(self.shared.connection()?);
+            *turn = Some(self.shared.writer_connection()?);
         }
         turn.as_ref()
             .expect("the writer is open")
             .execute_batch("BEGIN IMMEDIATE")
             .map_err(error)?;
-        Ok(RusqliteTransaction { turn })
+        Ok(RusqliteTransaction {
+            turn,
+            shared: self.shared.clone(),
+        })
     }
 
     async fn commit(&self, tx: RusqliteTransaction) -> Result<(), StoreError> {
@@ -459,7 +504,10 @@ impl Store for RusqliteStore {
 
     async fn acquire_for_write(&self) -> Result<RusqliteConnection, StoreError> {
         let turn = self.shared.turn().await?;
-        Ok(RusqliteConnection(Autocommit::Writer(turn)))
+        Ok(RusqliteConnection(Autocommit::Writer(
+            turn,
+            self.shared.clone(),
+        )))
     }
 
     async fn insert(&self, conn: &mut Connection, r: &NewRecord) -> Result<Inserted, StoreError> {

@@ -1,0 +1,60 @@
+//! `RusqliteStore`'s WAL checkpoints run out of the writer's turn (`src/checkpoint.rs`):
+//! under a writer that never stops, the WAL must still start over, and what was committed
+//! must be in the file when the store is opened again.
+
+use idemkey_core::Store;
+use idemkey_sqlite::RusqliteStore;
+use idemkey_sqlite::rusqlite::params;
+
+/// Rows of 12 KiB: each commit writes about four 4 KiB frames.
+const ROW: usize = 12 * 1024;
+/// Commits in the test: about 4 × 8000 = 32 000 frames, three times the store's bound of
+/// 10 000 frames before the writer finishes a checkpoint.
+const COMMITS: usize = 8000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wal_starts_over_under_a_writer_that_never_stops() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("test.db");
+    let store = RusqliteStore::open(&path).expect("open");
+    store
+        .with_connection(|c| c.execute_batch("CREATE TABLE blobs (n INTEGER, data BLOB)"))
+        .expect("table");
+
+    let data = vec![7u8; ROW];
+    for n in 0..COMMITS {
+        let tx = store.begin().await.expect("begin");
+        tx.execute(
+            "INSERT INTO blobs (n, data) VALUES (?1, ?2)",
+            params![n, data],
+        )
+        .expect("insert");
+        tx.commit().expect("commit");
+    }
+
+    // A WAL that starts over is written again from its beginning, not truncated: the
+    // file's length is the most it ever held. One that never started over holds every
+    // frame, more than the rows' bytes. The store's bound is 10 000 frames of 4 KiB
+    // (about 40 MiB), acted on once the checkpointer has seen it, so the WAL stays far
+    // under that unless the checkpointer never ran.
+    let written = (COMMITS * ROW) as u64;
+    let wal = std::fs::metadata(path.with_extension("db-wal"))
+        .expect("the WAL is there while the store is open")
+        .len();
+    assert!(
+        wal < written,
+        "the WAL grew to {wal} bytes for {written} bytes of rows: it never started over"
+    );
+
+    drop(store);
+    let again = RusqliteStore::open(&path).expect("open again");
+    let (rows, sum): (i64, i64) = again
+        .with_connection(|c| {
+            c.query_row("SELECT count(*), sum(length(data)) FROM blobs", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+        })
+        .expect("count");
+    assert_eq!(rows, COMMITS as i64, "every committed row is there");
+    assert_eq!(sum, written as i64);
+}
