@@ -41,6 +41,9 @@ const IDLE_READERS: usize = 8;
 /// A SQLite store on rusqlite: write transactions take turns, first come first served, on
 /// one connection the store keeps, and run their statements on the calling thread.
 ///
+/// The store keeps one thread of its own, which checkpoints the WAL out of the writer's
+/// turn (see `checkpoint.rs`); it ends once the store and its clones are dropped.
+///
 /// ```no_run
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// use idemkey_sqlite::RusqliteStore;
