@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# What the idempotency record costs PostgreSQL, without idemkey's server: pgbench runs the
+# statements of one fresh payment four ways, in alternating rounds, on a throwaway PostgreSQL
+# (fsync on, default settings), and prints transactions per second, the database's CPU µs
+# per transaction (the postmaster, its reaped backends and its live children, from /proc)
+# and each variant's ratio to the baseline of the same round.
+#
+#   baseline  BEGIN | the payment and its ledger entry | COMMIT   (serve's unkeyed route)
+#   claim     BEGIN + the claim's INSERT | the payment | the completing UPDATE + COMMIT
+#             (what PgStore sends today: docs/records.md, "What goes over the wire")
+#   deferred  BEGIN + an advisory lock + a SELECT of the record | the payment |
+#             the completed record's INSERT + COMMIT  (a claim by lock, measured, not built)
+#   floor     BEGIN | the payment | the completed record's INSERT + COMMIT  (no claim at all:
+#             not a protocol, the least any record written with the effect can cost)
+#
+# "|" separates round trips; "+" statements sent in one flight (pgbench's pipeline). The
+# statements mirror the store's and the server's SQL (idemkey-postgres/src/store.rs,
+# idemkey-server/src/db.rs) with literal values of the sizes `idemkey bench` sends.
+# Loopback only; each run is bounded by its seconds.
+#
+#   scripts/pgbench_record.sh [ROUNDS] [SECONDS] [CLIENTS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${1:-3}
+SECONDS_EACH=${2:-10}
+CLIENTS=${3:-32}
+# shellcheck source=lib/pg.sh
+. scripts/lib/pg.sh
+# shellcheck source=lib/work.sh
+. scripts/lib/work.sh
+work_dir pgbench
+start_pg
+PSQL=("$PGBIN/psql" -q -X -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres)
+for m in idemkey-postgres/migrations/*.sql idemkey-server/migrations/postgres/*.sql; do
+  "${PSQL[@]}" -f "$m" >/dev/null
+done
+
+KEY="int8send(:k) || '\\x0102030405060708091011121314151617181920212223'::bytea"
+ID="tenant = 'tenant_bench' AND key_hash = $KEY AND route = 'POST /v1/payments'"
+B32="'\\x0102030405060708091011121314151617181920212223242526272829303132'::bytea"
+PARTS="'\\x$(printf '%064d' 1)$(printf '%064d' 2)'::bytea"
+SEALED="'\\x$(printf '%0096d' 3)'::bytea"
+MEMBERS="'\\x$(printf '%0160d' 4)'::bytea"
+HEADERS="'\\x$(printf '%0158d' 5)'::bytea"
+BODY="convert_to('{\"id\":\"pay_0123456789abcdef0123\",\"object\":\"payment\",\"amount\":1000,\"currency\":\"EUR\",\"customer\":\"cus_123\",\"description\":\"bench\",\"status\":\"captured\",\"created_at\":\"2026-12-03T03:40:00.000Z\"}', 'UTF8')"
+COLUMNS="tenant, key_hash, route, fingerprint, fingerprint_parts, state, token, lease_expires_at,
+  created_at, updated_at, expires_at, sealed_key, fingerprint_members"
+CLAIM="INSERT INTO idemkey_records ($COLUMNS) VALUES ('tenant_bench', $KEY, 'POST /v1/payments',
+  $B32, $PARTS, 'executing', 1, 1800000000000, 1700000000000, 1700000000000, 1700086400000,
+  $SEALED, $MEMBERS);"
+COMPLETE="WITH done AS (UPDATE idemkey_records SET state = 'completed', token = token + 1,
+  lease_expires_at = NULL, response_status = 201, response_headers = $HEADERS,
+  response_body = $BODY, updated_at = 1700000000001 WHERE $ID AND token = 1 RETURNING 1)
+  SELECT idemkey_expect_owned(count(*)) FROM done;"
+COMPLETED="INSERT INTO idemkey_records ($COLUMNS, response_status, response_headers,
+  response_body) VALUES ('tenant_bench', $KEY, 'POST /v1/payments', $B32, $PARTS, 'completed',
+  2, NULL, 1700000000000, 1700000000001, 1700086400000, $SEALED, $MEMBERS, 201, $HEADERS,
+  $BODY) ON CONFLICT DO NOTHING;"
+PAYMENT="WITH payment AS (INSERT INTO payments (id, tenant, amount, currency, customer,
+  description, status, created_at) VALUES ('pay_' || :p || '_' || :k, 'tenant_bench', 1000,
+  'EUR', 'cus_123', 'bench', 'captured', '2026-12-03T03:40:00.000Z')
+  RETURNING id, tenant, amount, currency, created_at)
+  INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
+  SELECT id, tenant, amount, currency, created_at FROM payment;"
+
+flight() { # statements, one per argument: one round trip
+  if [ $# -gt 1 ]; then echo '\startpipeline'; fi
+  # pgbench reads one statement per line
+  for s in "$@"; do echo "$s" | tr '\n' ' '; echo; done
+  if [ $# -gt 1 ]; then echo '\endpipeline'; fi
+}
+script() { # $1 = variant
+  echo '\set k random(1, 9000000000000000000)'
+  echo '\set p random(1, 9000000000000000000)'
+  case $1 in
+    baseline) flight "BEGIN;"; flight "$PAYMENT"; flight "COMMIT;" ;;
+    claim) flight "BEGIN;" "$CLAIM"; flight "$PAYMENT"; flight "$COMPLETE" "COMMIT;" ;;
+    deferred)
+      flight "BEGIN;" "SELECT pg_advisory_xact_lock(:k);" "SELECT * FROM idemkey_records WHERE $ID;"
+      flight "$PAYMENT"; flight "$COMPLETED" "COMMIT;" ;;
+    floor) flight "BEGIN;"; flight "$PAYMENT"; flight "$COMPLETED" "COMMIT;" ;;
+  esac
+}
+VARIANTS=(baseline claim deferred floor)
+for v in "${VARIANTS[@]}"; do script "$v" >"$WORK/$v.sql"; done
+
+TICK=$(getconf CLK_TCK)
+db_ticks() { # the postmaster with its reaped children, and its live children
+  local t
+  t=$(awk '{print $14 + $15 + $16 + $17}' "/proc/$PG_PID/stat")
+  for c in $(pgrep -P "$PG_PID"); do
+    t=$((t + $(awk '{print $14 + $15}' "/proc/$c/stat" 2>/dev/null || echo 0)))
+  done
+  echo "$t"
+}
+echo "round variant tps db_cpu_us_per_tx tps/baseline"
+for r in $(seq "$ROUNDS"); do
+  base=""
+  for v in "${VARIANTS[@]}"; do
+    before=$(db_ticks)
+    out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -n -M prepared \
+      -c "$CLIENTS" -j 2 -T "$SECONDS_EACH" -f "$WORK/$v.sql" postgres 2>&1) || {
+      echo "$out" >&2
+      exit 1
+    }
+    sleep 1 # the backends exit and are reaped into the postmaster's children's time
+    after=$(db_ticks)
+    tx=$(echo "$out" | awk '/actually processed/ {split($NF, a, "/"); print a[1]}')
+    tps=$(echo "$out" | awk '/^tps/ {printf "%.0f", $3}')
+    [ -z "$base" ] && base=$tps
+    echo "$r $v $tps $(((after - before) * 1000000 / TICK / tx)) $(echo "$tps $base" | awk '{printf "%.2f", $1 / $2}')"
+  done
+done
