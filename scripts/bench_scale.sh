@@ -25,7 +25,8 @@
 # past it, the reference without a purge is the scale run's large server only).
 # BULK_ORDER=written loads rows in the order records are written (rows that expire together
 # share pages) instead of the default scrambled order (scripts/lib/bulk.sh); ROUNDS=0 runs
-# the purge part alone.
+# the purge part alone. IDEMKEY_BIN=PATH measures that `idemkey` binary (another build, for
+# a before/after pair) instead of building this checkout.
 # Needs ~7 GB of disk per 10^7 records (twice that for the purge run); each database is
 # deleted as soon as it is measured. Figures: $OUT/scale.md (OUT=target/bench-results).
 set -euo pipefail
@@ -41,13 +42,16 @@ PURGE_WAIT=${PURGE_WAIT:-1800}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-cargo build --release -q -p idemkey-server
+if [ -z "${IDEMKEY_BIN:-}" ]; then
+  cargo build --release -q -p idemkey-server
+  IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
+fi
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
 work_dir scale
-work_copy_of "${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey"
+work_copy_of "$IDEMKEY_BIN"
 "$BIN" bench --help | grep -q -- --run-id || { echo "$BIN is not this build (no --run-id)" >&2; exit 1; }
 
 # shellcheck source=lib/bulk.sh
