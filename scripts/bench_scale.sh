@@ -52,7 +52,7 @@ fi
 . scripts/lib/work.sh
 work_dir scale
 work_copy_of "$IDEMKEY_BIN"
-"$BIN" bench --help | grep -q -- --run-id || { echo "$BIN is not this build (no --run-id)" >&2; exit 1; }
+"$BIN" bench --help | grep -q -- --run-id || { echo "$IDEMKEY_BIN has no \`bench --run-id\`: too old a build" >&2; exit 1; }
 
 # shellcheck source=lib/bulk.sh
 . scripts/lib/bulk.sh

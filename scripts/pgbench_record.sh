@@ -15,7 +15,9 @@
 #
 # "|" separates round trips; "+" statements sent in one flight (pgbench's pipeline). The
 # statements mirror the store's and the server's SQL (idemkey-postgres/src/store.rs,
-# idemkey-server/src/db.rs) with literal values of the sizes `idemkey bench` sends.
+# idemkey-server/src/db.rs). Their values have the sizes of a record `idemkey serve` writes
+# for `idemkey bench --mode fresh` (read from one: fingerprint parts 24 bytes, members 81,
+# response headers 89, body 175, no sealed key).
 # Loopback only; each run is bounded by its seconds.
 #
 #   scripts/pgbench_record.sh [ROUNDS] [SECONDS] [CLIENTS]
@@ -36,16 +38,16 @@ for m in idemkey-postgres/migrations/*.sql idemkey-server/migrations/postgres/*.
 done
 
 KEY="int8send(:k) || '\\x0102030405060708091011121314151617181920212223'::bytea"
-ID="tenant = 'tenant_bench' AND key_hash = $KEY AND route = 'POST /v1/payments'"
+ID="tenant = 'bench' AND key_hash = $KEY AND route = 'POST /v1/payments'"
 B32="'\\x0102030405060708091011121314151617181920212223242526272829303132'::bytea"
-PARTS="'\\x$(printf '%064d' 1)$(printf '%064d' 2)'::bytea"
-SEALED="'\\x$(printf '%0096d' 3)'::bytea"
-MEMBERS="'\\x$(printf '%0160d' 4)'::bytea"
-HEADERS="'\\x$(printf '%0158d' 5)'::bytea"
-BODY="convert_to('{\"id\":\"pay_0123456789abcdef0123\",\"object\":\"payment\",\"amount\":1000,\"currency\":\"EUR\",\"customer\":\"cus_123\",\"description\":\"bench\",\"status\":\"captured\",\"created_at\":\"2026-12-03T03:40:00.000Z\"}', 'UTF8')"
+PARTS="'\\x$(printf '%048d' 1)'::bytea"
+SEALED=NULL
+MEMBERS="'\\x$(printf '%0162d' 4)'::bytea"
+HEADERS="'\\x$(printf '%0178d' 5)'::bytea"
+BODY="convert_to('{\"id\":\"pay_00fcf0c6aa09412a9620df83\",\"amount\":100,\"currency\":\"EUR\",\"customer\":\"bench-0\",\"description\":\"load test\",\"status\":\"succeeded\",\"created_at\":\"2026-12-03T05:56:21.413Z\"}', 'UTF8')"
 COLUMNS="tenant, key_hash, route, fingerprint, fingerprint_parts, state, token, lease_expires_at,
   created_at, updated_at, expires_at, sealed_key, fingerprint_members"
-CLAIM="INSERT INTO idemkey_records ($COLUMNS) VALUES ('tenant_bench', $KEY, 'POST /v1/payments',
+CLAIM="INSERT INTO idemkey_records ($COLUMNS) VALUES ('bench', $KEY, 'POST /v1/payments',
   $B32, $PARTS, 'executing', 1, 1800000000000, 1700000000000, 1700000000000, 1700086400000,
   $SEALED, $MEMBERS);"
 COMPLETE="WITH done AS (UPDATE idemkey_records SET state = 'completed', token = token + 1,
@@ -53,12 +55,12 @@ COMPLETE="WITH done AS (UPDATE idemkey_records SET state = 'completed', token = 
   response_body = $BODY, updated_at = 1700000000001 WHERE $ID AND token = 1 RETURNING 1)
   SELECT idemkey_expect_owned(count(*)) FROM done;"
 COMPLETED="INSERT INTO idemkey_records ($COLUMNS, response_status, response_headers,
-  response_body) VALUES ('tenant_bench', $KEY, 'POST /v1/payments', $B32, $PARTS, 'completed',
+  response_body) VALUES ('bench', $KEY, 'POST /v1/payments', $B32, $PARTS, 'completed',
   2, NULL, 1700000000000, 1700000000001, 1700086400000, $SEALED, $MEMBERS, 201, $HEADERS,
   $BODY) ON CONFLICT DO NOTHING;"
 PAYMENT="WITH payment AS (INSERT INTO payments (id, tenant, amount, currency, customer,
-  description, status, created_at) VALUES ('pay_' || :p || '_' || :k, 'tenant_bench', 1000,
-  'EUR', 'cus_123', 'bench', 'captured', '2026-12-03T03:40:00.000Z')
+  description, status, created_at) VALUES ('pay_' || :p || '_' || :k, 'bench', 100,
+  'EUR', 'bench-0', 'load test', 'succeeded', '2026-12-03T05:56:21.413Z')
   RETURNING id, tenant, amount, currency, created_at)
   INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
   SELECT id, tenant, amount, currency, created_at FROM payment;"

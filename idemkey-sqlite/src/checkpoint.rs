@@ -22,11 +22,11 @@
 //! 10⁶ records and to 706 MB under one of 10⁷. Woken by changed rows too, but with the
 //! writer giving up its try whenever the checkpointer held the checkpoint (one try in three
 //! under a purge), it grew to 83–428 MB. With both rules, it reached 78–104 MB in four purges
-//! of 10⁶ (docs/benchmarks.md, "The WAL under a purge").
+//! of 10⁶ and 118 MB in one of 10⁷ (docs/benchmarks.md, "The WAL under a purge").
 //!
 //! The writer thus syncs for a checkpoint about once per [`WAL_FRAMES_BOUND`] frames
 //! instead of once per 1000, and the WAL file stays near that bound: 10 000 frames of
-//! 4 KiB are about 41 MB; 46.7 MB was measured under `idemkey serve`, and up to 104 MB
+//! 4 KiB are about 41 MB; 46.7 MB was measured under `idemkey serve`, and up to 118 MB
 //! under a purge. Durability is SQLite's: a checkpoint syncs the WAL before it copies, and
 //! the database file before the WAL can start over (docs/decisions.md, "WAL checkpoints
 //! out of the writer's turn").
@@ -255,7 +255,7 @@ mod tests {
         checkpoints.after_commit_with(changes, || unreachable!("under the bound: no try"));
     }
 
-    /// Frames of 4 KiB pages (the 24-byte frame header aside).
+    /// A frame: a 4 KiB page and its 24-byte header.
     const FRAME: u64 = 4096 + 24;
 
     /// A few commits that each change many rows must wake the checkpointer, as many small
@@ -273,8 +273,7 @@ mod tests {
             )
             .expect("set up");
         // Far fewer commits than wake the checkpointer by their number.
-        let cadence = CADENCE;
-        let (checkpoints, woken) = Checkpoints::new(cadence);
+        let (checkpoints, woken) = Checkpoints::new(CADENCE);
         let open = || Connection::open(&path).map_err(error);
         let mut checker = None;
         // Rows of 3000 bytes, one to a page: a commit of 50 rows writes about 50 frames.
@@ -283,7 +282,7 @@ mod tests {
         let mut wakes = 0;
         for _ in 0..commits {
             writer.execute_batch("BEGIN IMMEDIATE").expect("begin");
-            for _ in 0..cadence.changes {
+            for _ in 0..CADENCE.changes {
                 writer
                     .execute("INSERT INTO rows (data) VALUES (?1)", [&data])
                     .expect("insert");
@@ -302,7 +301,7 @@ mod tests {
         let wal = std::fs::metadata(path.with_extension("db-wal"))
             .expect("the WAL")
             .len();
-        let written = commits * cadence.changes * FRAME;
+        let written = commits * CADENCE.changes * FRAME;
         assert!(
             wal < written / 4,
             "the WAL grew to {wal} bytes of the {written} written: the checkpointer slept"
