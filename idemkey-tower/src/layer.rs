@@ -1,6 +1,7 @@
 //! The layer and its per-route configuration.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use http::HeaderName;
@@ -43,6 +44,9 @@ pub(crate) struct Config {
     /// Attempts of one key in this process go to the store one at a time; shared by every
     /// layer derived from this one.
     pub(crate) turns: Arc<Turns>,
+    /// Set once a request without a [`Tenant`](crate::Tenant) was warned about; shared by
+    /// every layer derived from this one, so the warning is given once.
+    pub(crate) warned_untenanted: Arc<AtomicBool>,
 }
 
 /// Seals a raw key for its record (see [`IdempotencyLayer::seal_keys`]).
@@ -131,6 +135,7 @@ impl<S> IdempotencyLayer<S> {
                     cache::DEFAULT_BYTES,
                 ))),
                 turns: Arc::new(Turns::default()),
+                warned_untenanted: Arc::new(AtomicBool::new(false)),
             }),
         }
     }

@@ -10,6 +10,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -131,6 +132,21 @@ async fn refused(config: &Config, req: Request<Body>, rejection: IdempotencyReje
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     response
+}
+
+/// Warns, once per layer, that a keyed request came without a [`Tenant`]: every such
+/// caller shares one key space, so one caller's retry can be answered with another's
+/// stored response. A single-tenant service silences it by setting a `Tenant` itself.
+fn warn_untenanted(config: &Config, route: &str) {
+    if !config.warned_untenanted.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            route,
+            "a keyed request came without a Tenant extension: every caller without one \
+             shares the tenant \"{}\" and can be answered with another's stored response; \
+             set the authenticated caller's Tenant before the idempotency layer",
+            Tenant::DEFAULT
+        );
+    }
 }
 
 async fn call<I>(mut inner: I, req: Request<Body>) -> Response
@@ -285,10 +301,13 @@ impl<S: Store> Keyed<S> {
             (None, Some(path)) => path.as_str().to_owned(),
             (None, None) => req.uri().path().to_owned(),
         };
-        let tenant = req
-            .extensions()
-            .get::<Tenant>()
-            .map_or_else(|| Tenant::DEFAULT.to_owned(), |t| t.0.clone());
+        let tenant = match req.extensions().get::<Tenant>() {
+            Some(tenant) => tenant.0.clone(),
+            None => {
+                warn_untenanted(&self.config, &route);
+                Tenant::DEFAULT.to_owned()
+            }
+        };
         let scope = Scope::new(tenant, req.method().as_str(), &route);
         let id = self.config.hasher.record_id(&scope, &self.key);
         let previous_id = (self.config.previous_hasher.as_ref())
