@@ -12,9 +12,12 @@
 //! ```
 //!
 //! SQLite serializes writers: a claim takes the database's write lock, and a concurrent
-//! claim of any key waits for it (up to the busy time-out, 5 s by default, then answers
-//! "in flight"). The store's writers wait in a first-come, first-served queue in memory,
-//! not in SQLite's sleeping busy handler. Each claim transaction should still be short.
+//! claim of any key waits for it, up to the busy time-out (5 s by default). A claim that
+//! waits longer fails with [`StoreError::Busy`](idemkey_core::StoreError::Busy), which the
+//! layer answers 503 `store-busy` with `Retry-After`: the lock may be held by any key's
+//! writer, so the store cannot say that this key is in flight. The store's writers wait in
+//! a first-come, first-served queue in memory, not in SQLite's sleeping busy handler. Each
+//! claim transaction should still be short.
 
 mod checkpoint;
 mod evictions;

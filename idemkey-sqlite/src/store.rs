@@ -59,7 +59,7 @@ impl SqliteStore {
     }
 
     /// The busy time-out of [`connect`](Self::connect): how long a claim waits for the write
-    /// lock before it answers "in flight".
+    /// lock before it fails with [`StoreError::Busy`] (503 `store-busy`).
     pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
     /// Opens (creating if missing) the database at `url` (`sqlite:path.db`), in WAL mode with
