@@ -2,8 +2,8 @@
 //!
 //! sqlx's SQLite driver runs each connection on a thread of its own and hands every
 //! statement there and back. Inside the writer's turn, those hand-offs cost a fresh request
-//! more than SQLite's own work does (docs/benchmarks.md, "SQLite without sqlx's worker
-//! thread"). [`RusqliteStore`] calls SQLite directly instead, on the task's thread, while it
+//! more than SQLite's own work does (docs/decisions.md, "SQLite's writer without sqlx's
+//! worker thread"). [`RusqliteStore`] calls SQLite directly instead, on the task's thread, while it
 //! holds the turn: a statement is not a hand-off, and the turn is as long as the work.
 //!
 //! The application's effect runs on the same connection, so it is written with rusqlite
