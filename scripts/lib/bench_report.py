@@ -1,4 +1,4 @@
-"""Prints the "Results" table of docs/benchmarks.md from scripts/bench.sh's JSON reports.
+"""Prints a table of scripts/bench.sh's JSON reports.
 
     python3 scripts/lib/bench_report.py OUT LABEL...
 
