@@ -95,7 +95,10 @@ impl Answer {
         match self.header("content-encoding") {
             None => plain.extend_from_slice(body),
             Some("gzip") => {
-                GzipDecoder::new(body).read_to_end(&mut plain).await.unwrap();
+                GzipDecoder::new(body)
+                    .read_to_end(&mut plain)
+                    .await
+                    .unwrap();
             }
             Some("br") => {
                 BrotliDecoder::new(body)
@@ -150,7 +153,11 @@ async fn replays_of_compressed_answers_decode_to_the_first_answer() {
         let first = order(&gw, &key, 50, first_accept).await;
         assert_eq!(first.status, 201, "{}", first.text());
         let coding = first.header("content-encoding").map(str::to_owned);
-        assert_eq!(coding.is_some(), first_accept.is_some(), "the upstream compresses");
+        assert_eq!(
+            coding.is_some(),
+            first_accept.is_some(),
+            "the upstream compresses"
+        );
         let original = first.decoded().await;
         assert_eq!(original["effect"], 1);
         for retry_accept in accepts {
@@ -190,7 +197,10 @@ async fn an_answer_too_large_to_store_is_response_too_large_and_unknown() {
 
     let first = order(&gw, "large", lines, None).await;
     assert_eq!(first.status, 500, "{}", first.text());
-    assert_eq!(first.header("content-type"), Some("application/problem+json"));
+    assert_eq!(
+        first.header("content-type"),
+        Some("application/problem+json")
+    );
     let problem: Value = serde_json::from_slice(&first.body).unwrap();
     assert_eq!(problem["type"], "urn:idemkey:problem:response-too-large");
     assert_eq!(problem["status_url"], "/idempotency/v1/keys/large");

@@ -52,7 +52,9 @@ async fn create(mut tx: Tx<SqliteStore>) -> Response {
         .status(StatusCode::CREATED)
         .header(header::CONTENT_TYPE, "application/json")
         .header(header::ETAG, format!("\"effect-{id}\""))
-        .body(Body::from(json!({ "effect": id, "items": items }).to_string()))
+        .body(Body::from(
+            json!({ "effect": id, "items": items }).to_string(),
+        ))
         .unwrap()
 }
 
@@ -91,7 +93,10 @@ impl Answer {
         match self.header(header::CONTENT_ENCODING) {
             None => plain.extend_from_slice(body),
             Some("gzip") => {
-                GzipDecoder::new(body).read_to_end(&mut plain).await.unwrap();
+                GzipDecoder::new(body)
+                    .read_to_end(&mut plain)
+                    .await
+                    .unwrap();
             }
             Some("br") => {
                 BrotliDecoder::new(body)
@@ -161,7 +166,10 @@ async fn replays_decode_to_the_first_answer(app: Router, store: &SqliteStore, in
         assert_eq!(first.status, StatusCode::CREATED);
         let coding = first.header(header::CONTENT_ENCODING).map(str::to_owned);
         if first_accept.is_some() {
-            assert!(coding.is_some(), "the middleware compresses: {first_accept:?}");
+            assert!(
+                coding.is_some(),
+                "the middleware compresses: {first_accept:?}"
+            );
         }
         let original = first.decoded().await;
         for retry_accept in accepts {
@@ -179,10 +187,17 @@ async fn replays_decode_to_the_first_answer(app: Router, store: &SqliteStore, in
                 // Stored as the middleware sent it: a retry that takes that coding gets it
                 // with its strong `ETag`; any other gets it decoded, without that `ETag`.
                 let same_coding = replay_coding == coding.as_deref();
-                assert_eq!(same_coding, takes(retry_accept, coding.as_deref()), "{what}");
+                assert_eq!(
+                    same_coding,
+                    takes(retry_accept, coding.as_deref()),
+                    "{what}"
+                );
                 if same_coding {
                     assert_eq!(replay.body, first.body, "{what}: byte for byte");
-                    assert_eq!(replay.headers.get(header::ETAG), first.headers.get(header::ETAG));
+                    assert_eq!(
+                        replay.headers.get(header::ETAG),
+                        first.headers.get(header::ETAG)
+                    );
                 } else {
                     assert_eq!(replay.headers.get(header::ETAG), None, "{what}");
                 }

@@ -451,9 +451,12 @@ async fn an_answer_too_large_to_store_is_indeterminate() {
     let store = SqliteStore::connect(&url).await.unwrap();
     store.migrate().await.unwrap();
     let bank = Bank::default();
-    let layer = IdempotencyLayer::new(store.clone(), KeyHasher::new(b"a key secret of thirty-two bytes or more"))
-        .external(LEASE)
-        .max_stored_response(4);
+    let layer = IdempotencyLayer::new(
+        store.clone(),
+        KeyHasher::new(b"a key secret of thirty-two bytes or more"),
+    )
+    .external(LEASE)
+    .max_stored_response(4);
     let app = Router::new()
         .route("/transfers", post(transfer).layer(layer))
         .with_state(bank.clone());
@@ -464,7 +467,10 @@ async fn an_answer_too_large_to_store_is_indeterminate() {
     assert_eq!(problem["type"], "urn:idemkey:problem:response-too-large");
     assert_eq!(problem["status_url"], "/idempotency/v1/keys/t-9");
     assert!(
-        problem["detail"].as_str().unwrap().contains("may have taken effect"),
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("may have taken effect"),
         "{text}"
     );
     let (status, _, text) = send(&app, "t-9", "{}").await;

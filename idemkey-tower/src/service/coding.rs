@@ -112,6 +112,10 @@ pub(super) fn for_retry(headers: &mut HeaderMap, body: Vec<u8>, accept: &[Header
     {
         headers.remove(header::ETAG);
     }
+    if body.is_empty() {
+        // Nothing to decode (a 204, say, that names a coding all the same).
+        return Body::empty();
+    }
     // The codings were applied in the order listed: the last one is undone first.
     let mut reader: Reader = Box::pin(std::io::Cursor::new(body));
     for coding in codings.into_iter().rev() {
@@ -153,7 +157,10 @@ mod tests {
     #[test]
     fn keeps_what_it_cannot_decode_and_what_is_accepted() {
         let mut headers = HeaderMap::new();
-        headers.insert(header::CONTENT_ENCODING, HeaderValue::from_static("compress"));
+        headers.insert(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static("compress"),
+        );
         headers.insert(header::ETAG, HeaderValue::from_static("\"a\""));
         let _ = for_retry(&mut headers, b"x".to_vec(), &[]);
         assert_eq!(headers[header::CONTENT_ENCODING], "compress");

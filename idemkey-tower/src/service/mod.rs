@@ -179,7 +179,11 @@ struct Keyed<S> {
 }
 
 impl<S: Store> Keyed<S> {
-    fn new(layer: IdempotencyLayer<S>, key: IdempotencyKey, accept_encoding: Vec<HeaderValue>) -> Self {
+    fn new(
+        layer: IdempotencyLayer<S>,
+        key: IdempotencyKey,
+        accept_encoding: Vec<HeaderValue>,
+    ) -> Self {
         let config = layer.config.clone();
         config.metrics.attempt();
         Self {

@@ -44,12 +44,12 @@ pub(super) async fn capture_outcome(
 ) -> Result<Captured, IdempotencyRejection> {
     let (head, body) = response.into_parts();
     let limit = config.max_stored_response;
-    let body = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| IdempotencyRejection::ResponseTooLarge {
+    let body = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        IdempotencyRejection::ResponseTooLarge {
             limit,
             status_url: None,
-        })?;
+        }
+    })?;
     let stored = StoredResponse {
         status: head.status.as_u16(),
         headers: stored_headers(&head.headers, &config.stored_headers),
