@@ -84,8 +84,8 @@ fn accepts(accept: &[HeaderValue], coding: &str) -> bool {
 ///
 /// As stored when the body carries no coding, or `accept` takes every coding it carries, or
 /// one of its codings is not one the layer decodes (nothing better can be sent). Otherwise
-/// decoded, as it streams out: without `Content-Encoding`, and without a strong `ETag`,
-/// which names the encoded bytes only (a weak one names the content and is kept).
+/// decoded, as it streams out: without `Content-Encoding` or a length, and without a strong
+/// `ETag`, which names the encoded bytes only (a weak one names the content and is kept).
 pub(super) fn for_retry(headers: &mut HeaderMap, body: Vec<u8>, accept: &[HeaderValue]) -> Body {
     let stored: Vec<HeaderValue> = headers
         .get_all(header::CONTENT_ENCODING)
@@ -106,6 +106,7 @@ pub(super) fn for_retry(headers: &mut HeaderMap, body: Vec<u8>, accept: &[Header
         return Body::from(body);
     };
     headers.remove(header::CONTENT_ENCODING);
+    headers.remove(header::CONTENT_LENGTH);
     if headers
         .get(header::ETAG)
         .is_some_and(|tag| !tag.as_bytes().starts_with(b"W/"))

@@ -18,7 +18,7 @@ use axum::body::Body;
 use axum::extract::MatchedPath;
 use axum::response::{IntoResponse, Response};
 use futures::future::BoxFuture;
-use http::{HeaderValue, Method, Request, header};
+use http::{HeaderMap, HeaderValue, Method, Request, header};
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{
     Fingerprint, HEADER_NAME, IdempotencyKey, RecordId, RequestParts, Scope, Store, StoreError,
@@ -103,11 +103,7 @@ where
         }
     };
     match key {
-        Some(key) => {
-            let accept = req.headers().get_all(header::ACCEPT_ENCODING);
-            let accept = accept.iter().cloned().collect();
-            Keyed::new(layer, key, accept).run(inner, req).await
-        }
+        Some(key) => Keyed::new(layer, key, req.headers()).run(inner, req).await,
         None if config.requirement == KeyRequirement::Required => {
             refused(&config, req, IdempotencyRejection::KeyMissing).await
         }
@@ -179,18 +175,16 @@ struct Keyed<S> {
 }
 
 impl<S: Store> Keyed<S> {
-    fn new(
-        layer: IdempotencyLayer<S>,
-        key: IdempotencyKey,
-        accept_encoding: Vec<HeaderValue>,
-    ) -> Self {
+    fn new(layer: IdempotencyLayer<S>, key: IdempotencyKey, headers: &HeaderMap) -> Self {
         let config = layer.config.clone();
         config.metrics.attempt();
         Self {
             layer,
             config,
             key,
-            accept_encoding,
+            accept_encoding: (headers.get_all(header::ACCEPT_ENCODING).iter())
+                .cloned()
+                .collect(),
             started: Instant::now(),
             ticket: crate::cache::Ticket::default(),
         }
