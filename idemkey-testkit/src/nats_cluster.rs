@@ -124,6 +124,21 @@ impl NatsCluster {
         self.nodes[i].running.is_some()
     }
 
+    /// The names of the clients connected to node `i` (from its monitor's `/connz`): which
+    /// node a client's connection landed on. Empty when the node is down.
+    pub fn client_names(&self, i: usize) -> Vec<String> {
+        let Some((200, body)) = http_get(self.nodes[i].http_port, "/connz") else {
+            return Vec::new();
+        };
+        let connz: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        connz["connections"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| c["name"].as_str().map(str::to_owned))
+            .collect()
+    }
+
     /// Stops node `i` and waits until its process is gone. With [`Stop::Kill`], a `SIGKILL`
     /// of the real `nats-server` process: a crash.
     pub fn stop(&mut self, i: usize, how: Stop) {
