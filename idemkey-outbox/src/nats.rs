@@ -128,11 +128,7 @@ impl NatsSink {
     /// subject and `config` creates none.
     pub async fn connect_with(url: &str, config: NatsConfig) -> Result<Self, DeliveryError> {
         validate_subject(&config.subject)?;
-        let servers = url
-            .split(',')
-            .map(|one| one.trim().parse::<async_nats::ServerAddr>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| DeliveryError(format!("invalid NATS URL {url:?}: {e}")))?;
+        let servers = parse_servers(url)?;
         let client = async_nats::ConnectOptions::new()
             .name("idemkey-outbox")
             .connection_timeout(config.ack_timeout)
@@ -164,6 +160,18 @@ impl NatsSink {
     /// spaces (the check [`connect`](Self::connect) makes), without connecting.
     pub fn check_subject(subject: &str) -> Result<(), DeliveryError> {
         validate_subject(subject)
+    }
+
+    /// Checks that `url` is one server URL or several separated by commas (the check
+    /// [`connect_with`](Self::connect_with) makes), without connecting.
+    ///
+    /// ```
+    /// use idemkey_outbox::NatsSink;
+    /// assert!(NatsSink::check_servers("nats://10.0.0.1:4222, nats://10.0.0.2:4222").is_ok());
+    /// assert!(NatsSink::check_servers("nats://10.0.0.1:4222,").is_err());
+    /// ```
+    pub fn check_servers(url: &str) -> Result<(), DeliveryError> {
+        parse_servers(url).map(|_| ())
     }
 
     /// The subject messages are published to.
@@ -331,6 +339,22 @@ impl Failure {
     }
 }
 
+/// The servers of a comma-separated list of URLs; none of them empty.
+fn parse_servers(url: &str) -> Result<Vec<async_nats::ServerAddr>, DeliveryError> {
+    url.split(',')
+        .map(|one| {
+            let one = one.trim();
+            if one.is_empty() {
+                return Err(DeliveryError(format!(
+                    "invalid NATS URL {url:?}: an empty server in the list"
+                )));
+            }
+            one.parse::<async_nats::ServerAddr>()
+                .map_err(|e| DeliveryError(format!("invalid NATS URL {url:?}: {e}")))
+        })
+        .collect()
+}
+
 fn validate_subject(subject: &str) -> Result<(), DeliveryError> {
     let valid = !subject.is_empty()
         && !subject.contains(|c: char| c.is_whitespace())
@@ -368,6 +392,22 @@ mod tests {
         }
         for good in ["a", "payments.events", "a-b.c_d.E1"] {
             assert!(validate_subject(good).is_ok(), "{good:?}");
+        }
+    }
+
+    #[test]
+    fn a_server_list_is_checked_entry_by_entry() {
+        let servers =
+            parse_servers("nats://127.0.0.1:4222, 127.0.0.1:4223,nats://[::1]:4224").unwrap();
+        assert_eq!(servers.len(), 3);
+        for bad in [
+            "",
+            "nats://127.0.0.1:4222,",
+            "nats://a:1,,nats://b:2",
+            "nats://a:99999",
+        ] {
+            let e = parse_servers(bad).unwrap_err();
+            assert!(e.0.starts_with("invalid NATS URL"), "{bad:?}: {e}");
         }
     }
 
