@@ -1,13 +1,4 @@
-//! A throwaway three-node NATS cluster with JetStream, for tests.
-//!
-//! [`NatsCluster::start`] runs three `nats-server`s on 127.0.0.1, each with a client port, a
-//! cluster (route) port and a monitoring port of its own, a store directory of its own, a
-//! `server_name` (`n1`, `n2`, `n3`), and routes to all three; it returns once every node
-//! answers its health check and the cluster has elected its JetStream meta leader. A node
-//! can be stopped (gently or with `SIGKILL`) and started again on the same ports and store,
-//! so a test can take servers away under running clients. Each node runs under the same
-//! watchdog as [`NatsServer`](crate::NatsServer): if the test process dies, the nodes stop.
-//! Everything is stopped and the directories deleted when the handle is dropped.
+//! A throwaway three-node NATS cluster with JetStream, for tests: [`NatsCluster`].
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -25,7 +16,16 @@ pub const CLUSTER_SIZE: usize = 3;
 /// The cluster's name, in every node's configuration.
 const CLUSTER_NAME: &str = "idemkey-test";
 
-/// A running throwaway three-node JetStream cluster; see the [module docs](self).
+/// A running throwaway three-node JetStream cluster.
+///
+/// [`NatsCluster::start`] runs three `nats-server`s on 127.0.0.1, each with a client port, a
+/// cluster (route) port and a monitoring port of its own, a store directory of its own, a
+/// `server_name` (`n1`, `n2`, `n3`), and routes to all three; it returns once every node
+/// answers its health check and the cluster has elected its JetStream meta leader. A node
+/// can be stopped (gently or with `SIGKILL`) and started again on the same ports and store,
+/// so a test can take servers away under running clients. Each node runs under the same
+/// watchdog as [`NatsServer`](crate::NatsServer): if the test process dies, the nodes stop.
+/// Everything is stopped and the directories deleted when the handle is dropped.
 #[derive(Debug)]
 pub struct NatsCluster {
     binary: PathBuf,
