@@ -236,8 +236,10 @@ impl<S> IdempotencyLayer<S> {
         self.with(|c| c.max_request_body = bytes)
     }
 
-    /// The largest response body stored. A larger response cannot be replayed, so its
-    /// transaction rolls back and the client gets 500 `response-too-large`.
+    /// The largest response body stored, counted as sent (compressed, when the answer is).
+    /// A larger response cannot be replayed, so its transaction rolls back and the client
+    /// gets 500 `response-too-large`; in external mode the call went out, so the operation
+    /// is left indeterminate instead.
     ///
     /// ```
     /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
@@ -248,8 +250,8 @@ impl<S> IdempotencyLayer<S> {
         self.with(|c| c.max_stored_response = bytes)
     }
 
-    /// Stores and replays this response header too (besides `Content-Type`, `Location`,
-    /// `ETag`).
+    /// Stores and replays this response header too (besides `Content-Type`,
+    /// `Content-Encoding`, `Vary`, `Location`, `ETag`).
     ///
     /// ```
     /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
