@@ -8,11 +8,13 @@
 //! whole body stops it. The timeouts are set short by flags; nothing asserts on elapsed time.
 //!
 //! `slow_sockets_held_against_a_payment_load` prints a `CHAOS-ROW|…` line
-//! (`scripts/chaos.sh`; `CHAOS_OPS` payments, `CHAOS_SLOW_SOCKETS` slow sockets).
+//! (`scripts/chaos.sh`; `CHAOS_OPS` payments, waves of `CHAOS_SLOW_SOCKETS` slow sockets while they run).
 
 mod common;
 
 use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use clap::Parser;
@@ -450,9 +452,24 @@ async fn slow_sockets_held_against_a_payment_load() {
     let cap = (per_kind * 3 + 64).to_string();
     flags.extend_from_slice(&["--max-client-connections", &cap]);
     let server = backend.start(&flags).await;
-    let sockets = slow_sockets(&address(server.base()), per_kind).await;
-    let slow = sockets.len();
-    let held = tokio::spawn(assert_all_closed(sockets));
+    // Waves of slow sockets, one after the other, for as long as the load runs (at least
+    // one): each wave is held until the server has closed every socket of it.
+    let load_done = Arc::new(AtomicBool::new(false));
+    let waves = {
+        let address = address(server.base());
+        let load_done = load_done.clone();
+        tokio::spawn(async move {
+            let (mut opened, mut closed) = (0, 0);
+            loop {
+                let sockets = slow_sockets(&address, per_kind).await;
+                opened += sockets.len();
+                closed += assert_all_closed(sockets).await;
+                if load_done.load(Ordering::SeqCst) {
+                    return (opened, closed);
+                }
+            }
+        })
+    };
 
     let client = load::client(load::patient_policy());
     let results = load::payments(
@@ -464,8 +481,9 @@ async fn slow_sockets_held_against_a_payment_load() {
         &load::Progress::default(),
     )
     .await;
+    load_done.store(true, Ordering::SeqCst);
     let failed = results.iter().filter(|r| !r.succeeded()).count();
-    let closed = held.await.unwrap();
+    let (slow, closed) = waves.await.unwrap();
     let audit = Audit::sqlite(backend.url()).await;
     load::row(&load::row_of(
         "slow and idle sockets held against serve (SQLite)",
@@ -474,8 +492,10 @@ async fn slow_sockets_held_against_a_payment_load() {
         &audit,
         None,
         format!(
-            "{slow} slow sockets (silent, half head, trickled body), {closed} closed by the \
-             server's timeouts; trickled payments ran nothing"
+            "{slow} slow sockets held in waves of {} during the load (silent, half head, \
+             trickled body), {closed} closed by the server's timeouts; trickled payments ran \
+             nothing",
+            per_kind * 3
         ),
     ));
     assert!(results.iter().all(OpResult::succeeded), "{failed} failed");
