@@ -426,10 +426,9 @@ pub fn parse_http_timeout(s: &str) -> Result<Duration, String> {
 /// Parses --max-client-connections: from 1 to 1,000,000 (and, at start, below the open-file
 /// limit).
 pub fn parse_connection_limit(s: &str) -> Result<usize, String> {
-    let n: usize = s
-        .trim()
-        .parse()
-        .map_err(|_| format!("invalid connection count {s:?}: expected a whole number, e.g. 512"))?;
+    let n: usize = s.trim().parse().map_err(|_| {
+        format!("invalid connection count {s:?}: expected a whole number, e.g. 512")
+    })?;
     if !(1..=1_000_000).contains(&n) {
         return Err(format!(
             "{s:?} is out of range: from 1 to 1000000 client connections"

@@ -137,9 +137,8 @@ pub(crate) async fn run(
     shutdown: impl Future<Output = ()>,
 ) {
     let max = limits.max_connections;
-    let overloaded = Router::new().fallback(move || async move {
-        ApiError::Overloaded(max).into_response()
-    });
+    let overloaded =
+        Router::new().fallback(move || async move { ApiError::Overloaded(max).into_response() });
     let slots = Arc::new(Semaphore::new(max));
     // Every connection task holds a `closed` receiver: the sender's `closed()` is when the
     // last one is gone. `stop` tells them to shut down.
@@ -368,7 +367,10 @@ mod tests {
         let limits = HttpLimits::default();
         assert!(limits.check(Some(1024), 1).is_ok());
         let e = limits.check(Some(1024), 2).unwrap_err();
-        assert!(e.contains("--max-client-connections 512 cannot hold"), "{e}");
+        assert!(
+            e.contains("--max-client-connections 512 cannot hold"),
+            "{e}"
+        );
         assert!(e.contains("1024"), "{e}");
     }
 }

@@ -22,10 +22,10 @@ use sqlx::sqlite::SqliteConnectOptions;
 use tower::ServiceExt;
 
 use crate::cli::{KeySecretArgs, OutboxArgs};
+use crate::http_server::{self, HttpLimits};
 use crate::outbox::{OutboxSink, spawn_relay};
 use crate::problem::ApiError;
 use crate::secret::{KeySecrets, migrate_for_start, redacted};
-use crate::http_server::{self, HttpLimits};
 use crate::{ApiKeys, AppConfig, AppDb, app};
 
 /// A connected database of either kind.
