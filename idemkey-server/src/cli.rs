@@ -390,7 +390,7 @@ pub struct HttpLimitArgs {
     pub request_body_deadline: Duration,
     /// How many client connections are served at once; one more is answered 503
     /// `server-overloaded` with Retry-After and closed.
-    #[arg(long, default_value = "512", value_parser = parse_connection_limit)]
+    #[arg(long, default_value = "400", value_parser = parse_connection_limit)]
     pub max_client_connections: usize,
 }
 
@@ -427,7 +427,7 @@ pub fn parse_http_timeout(s: &str) -> Result<Duration, String> {
 /// limit).
 pub fn parse_connection_limit(s: &str) -> Result<usize, String> {
     let n: usize = s.trim().parse().map_err(|_| {
-        format!("invalid connection count {s:?}: expected a whole number, e.g. 512")
+        format!("invalid connection count {s:?}: expected a whole number, e.g. 400")
     })?;
     if !(1..=1_000_000).contains(&n) {
         return Err(format!(

@@ -66,13 +66,13 @@ pub struct HttpLimits {
 }
 
 impl Default for HttpLimits {
-    /// The flags' defaults: 10 s, 5 s, 20 s and 512 connections.
+    /// The flags' defaults: 10 s, 5 s, 20 s and 400 connections.
     fn default() -> Self {
         Self {
             header_read_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(5),
             request_body_deadline: Duration::from_secs(20),
-            max_connections: 512,
+            max_connections: 400,
         }
     }
 }
@@ -364,13 +364,14 @@ mod tests {
 
     #[test]
     fn a_connection_limit_past_the_open_file_limit_is_refused() {
+        // The defaults fit the common limit of 1024, for the gateway's two per connection too.
         let limits = HttpLimits::default();
-        assert!(limits.check(Some(1024), 1).is_ok());
-        let e = limits.check(Some(1024), 2).unwrap_err();
+        assert!(limits.check(Some(1024), 2).is_ok());
+        let e = limits.check(Some(512), 2).unwrap_err();
         assert!(
-            e.contains("--max-client-connections 512 cannot hold"),
+            e.contains("--max-client-connections 400 cannot hold"),
             "{e}"
         );
-        assert!(e.contains("1024"), "{e}");
+        assert!(e.contains("864"), "{e}");
     }
 }
