@@ -243,10 +243,13 @@ async fn slow_and_idle_sockets_are_closed_while_payments_are_answered() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn an_idle_keep_alive_connection_is_closed_after_its_answer() {
+async fn the_idle_timeout_closes_kept_alive_and_silent_connections() {
     let backend = Backend::sqlite().await;
-    let server = backend.start(SHORT).await;
+    // With a ten-minute header-read timeout, only the idle timeout can close these.
+    let flags = ["--header-read-timeout", "10m", "--idle-timeout", "500ms"];
+    let server = backend.start(&flags).await;
     let address = address(server.base());
+    let silent = SlowSocket::open(&address, Slow::Silent, "", "").await;
     let mut stream = TcpStream::connect(&address).await.expect("connect");
     let request = format!("GET /healthz HTTP/1.1\r\nHost: {address}\r\n\r\n");
     stream.write_all(request.as_bytes()).await.expect("send");
@@ -261,6 +264,7 @@ async fn an_idle_keep_alive_connection_is_closed_after_its_answer() {
         !answer.to_ascii_lowercase().contains("connection: close"),
         "the answer itself did not keep the connection open: {answer}"
     );
+    assert_eq!(silent.until_closed().await.unwrap(), "");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
