@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The chaos suite's longer variants, and one table row per scenario.
 #
-# Runs the chaos tests (idemkey-server/tests/chaos_*.rs, gateway_bad_input.rs and
-# idemkey-client/tests/horizon.rs) one at a time with larger figures, then
+# Runs the chaos tests (idemkey-server/tests/chaos_*.rs, gateway_bad_input.rs,
+# slow_clients.rs and idemkey-client/tests/horizon.rs) one at a time with larger figures, then
 # scripts/failover.sh and scripts/retry_storm.sh, collects the
 # `CHAOS-ROW|…` line each scenario prints, and prints them as a Markdown table with the date,
 # the machine, the commit and the command: what docs/reliability.md quotes.
@@ -10,6 +10,7 @@
 #   CHAOS_OPS=3000          logical payments per load scenario (CI: 300 / 150 / 20)
 #   CHAOS_ITERATIONS=3      PostgreSQL restarts per restart scenario (CI: 1)
 #   IDEMKEY_FUZZ_CASES=20000  random requests through the gateway (CI: 1000)
+#   CHAOS_SLOW_SOCKETS=300  slow and idle sockets held against serve (CI: 60)
 #   CHAOS_LOG=path          where the full test output goes (default: a temporary file)
 #   CHAOS_FAILOVER=1        also run scripts/failover.sh (installs pg_auto_failover when
 #                           missing; a few minutes); 0 skips it
@@ -23,10 +24,11 @@ cd "$(dirname "$0")/.."
 export CHAOS_OPS=${CHAOS_OPS:-3000}
 export CHAOS_ITERATIONS=${CHAOS_ITERATIONS:-3}
 export IDEMKEY_FUZZ_CASES=${IDEMKEY_FUZZ_CASES:-20000}
+export CHAOS_SLOW_SOCKETS=${CHAOS_SLOW_SOCKETS:-300}
 LOG=${CHAOS_LOG:-$(mktemp -t idemkey-chaos.XXXXXX)}
 : >"$LOG"
 
-server_tests=(chaos_postgres chaos_sqlite chaos_gateway gateway_bad_input)
+server_tests=(chaos_postgres chaos_sqlite chaos_gateway gateway_bad_input slow_clients)
 build_args=()
 for t in "${server_tests[@]}"; do build_args+=(--test "$t"); done
 echo "building the chaos tests…" >&2
@@ -60,7 +62,7 @@ took=$(($(date +%s) - started))
 
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
-run_header "CHAOS_OPS=$CHAOS_OPS CHAOS_ITERATIONS=$CHAOS_ITERATIONS IDEMKEY_FUZZ_CASES=$IDEMKEY_FUZZ_CASES scripts/chaos.sh" "(debug build, tests one at a time); full output: $LOG"
+run_header "CHAOS_OPS=$CHAOS_OPS CHAOS_ITERATIONS=$CHAOS_ITERATIONS IDEMKEY_FUZZ_CASES=$IDEMKEY_FUZZ_CASES CHAOS_SLOW_SOCKETS=$CHAOS_SLOW_SOCKETS scripts/chaos.sh" "(debug build, tests one at a time); full output: $LOG"
 echo
 echo "| scenario | logical ops | client-visible failures | duplicates | records without effect | effects without record | time to recover | notes |"
 echo "|---|---|---|---|---|---|---|---|"

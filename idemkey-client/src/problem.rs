@@ -57,6 +57,9 @@ pub mod types {
     /// [`UPSTREAM_FAILED`](registry::UPSTREAM_FAILED): gateway, request without a key: no complete
     /// answer came back.
     pub const UPSTREAM_FAILED: &str = registry::UPSTREAM_FAILED.uri;
+    /// [`SERVER_OVERLOADED`](registry::SERVER_OVERLOADED): the server is at its limit of client
+    /// connections; nothing ran.
+    pub const SERVER_OVERLOADED: &str = registry::SERVER_OVERLOADED.uri;
     /// The RFC 9457 default when a problem names no type.
     pub const ABOUT_BLANK: &str = "about:blank";
 }

@@ -109,6 +109,9 @@ problem_types! {
     /// Gateway, request without a key: the upstream gave no complete answer; nothing protects
     /// a retry.
     UPSTREAM_FAILED = "upstream-failed", 502, "Upstream failed", retry: false;
+    /// `serve` and `gateway`: the server holds as many client connections as it is allowed;
+    /// the request was answered without being run. Answered with `Retry-After`.
+    SERVER_OVERLOADED = "server-overloaded", 503, "Server overloaded", retry: true;
 
     /// Payments API: no or an unknown bearer token.
     UNAUTHORIZED = "unauthorized", 401, "Unauthorized", retry: false;
@@ -140,6 +143,7 @@ pub const ALL: &[ProblemType] = &[
     UPSTREAM_UNAVAILABLE,
     UPSTREAM_OUTCOME_UNKNOWN,
     UPSTREAM_FAILED,
+    SERVER_OVERLOADED,
     UNAUTHORIZED,
     INVALID_REQUEST,
     PAYMENT_DECLINED,

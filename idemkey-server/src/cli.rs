@@ -332,6 +332,9 @@ pub struct ServeArgs {
     /// Where outbox messages go.
     #[command(flatten)]
     pub outbox: OutboxArgs,
+    /// Timeouts and the connection limit of the HTTP server.
+    #[command(flatten)]
+    pub limits: HttpLimitArgs,
 }
 
 impl ServeArgs {
@@ -367,6 +370,71 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
     };
     n.checked_mul(factor)
         .ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// The HTTP server's timeouts and connection limit, for `serve` and `gateway`
+/// (docs/operations.md, "Timeouts and limits").
+#[derive(Debug, Clone, Copy, Args)]
+pub struct HttpLimitArgs {
+    /// How long a client has to send a whole request head, counted from when the connection
+    /// waits for one (on connect, and after each answer); a slower head closes the connection.
+    #[arg(long, default_value = "10s", value_parser = parse_http_timeout)]
+    pub header_read_timeout: Duration,
+    /// How long a connection may stay open with no request in progress (at most
+    /// --header-read-timeout).
+    #[arg(long, default_value = "5s", value_parser = parse_http_timeout)]
+    pub idle_timeout: Duration,
+    /// How long a client has to send a whole request body, counted from its head; a body
+    /// still arriving then is refused (nothing runs) and the connection closed.
+    #[arg(long, default_value = "20s", value_parser = parse_http_timeout)]
+    pub request_body_deadline: Duration,
+    /// How many client connections are served at once; one more is answered 503
+    /// `server-overloaded` with Retry-After and closed.
+    #[arg(long, default_value = "400", value_parser = parse_connection_limit)]
+    pub max_client_connections: usize,
+}
+
+impl HttpLimitArgs {
+    /// The limits these flags set.
+    pub fn limits(&self) -> crate::HttpLimits {
+        crate::HttpLimits {
+            header_read_timeout: self.header_read_timeout,
+            idle_timeout: self.idle_timeout,
+            request_body_deadline: self.request_body_deadline,
+            max_connections: self.max_client_connections,
+        }
+    }
+}
+
+/// The range of the HTTP server's timeouts.
+const HTTP_TIMEOUTS: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(10)..=Duration::from_secs(600);
+
+/// Parses one of the HTTP server's timeouts (e.g. 10s, 500ms): from 10 ms to 10 minutes.
+pub fn parse_http_timeout(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("invalid duration {s:?}: {e}"))?;
+    if !HTTP_TIMEOUTS.contains(&d) {
+        return Err(format!(
+            "{s:?} is out of range: a timeout of the HTTP server is from 10ms to 10m (0 would \
+             close every connection at once; past minutes, a slow client holds a connection \
+             for nothing)"
+        ));
+    }
+    Ok(d)
+}
+
+/// Parses --max-client-connections: from 1 to 1,000,000 (and, at start, below the open-file
+/// limit).
+pub fn parse_connection_limit(s: &str) -> Result<usize, String> {
+    let n: usize = s.trim().parse().map_err(|_| {
+        format!("invalid connection count {s:?}: expected a whole number, e.g. 400")
+    })?;
+    if !(1..=1_000_000).contains(&n) {
+        return Err(format!(
+            "{s:?} is out of range: from 1 to 1000000 client connections"
+        ));
+    }
+    Ok(n)
 }
 
 /// `idemkey gateway`.
@@ -466,6 +534,9 @@ pub struct GatewayArgs {
     /// Tests and demos: milliseconds to wait after the reservation, before connecting.
     #[arg(long, value_name = "MS", default_value_t = 0, hide = true)]
     pub simulate_delay_before_forward: u64,
+    /// Timeouts and the connection limit of the HTTP server.
+    #[command(flatten)]
+    pub limits: HttpLimitArgs,
 }
 
 impl GatewayArgs {

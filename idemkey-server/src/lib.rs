@@ -20,6 +20,7 @@ pub mod cli;
 mod db;
 pub mod demo;
 pub mod gateway;
+mod http_server;
 pub mod keys;
 pub mod outbox;
 mod payments;
@@ -28,6 +29,7 @@ pub mod secret;
 mod serve;
 
 pub use self::auth::ApiKeys;
+pub use self::http_server::HttpLimits;
 
 /// The Rust samples of the README and of `docs/`, compiled by `cargo test --doc`: a sample
 /// that no longer compiles fails the tests. (Only under `cfg(doctest)`: the packaged crate

@@ -63,6 +63,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 },
                 purge_interval: args.purge_interval,
                 outbox: args.outbox.clone(),
+                limits: args.limits.limits(),
             };
             // Under `reject`, SQLite still waits for its single write lock (the default busy
             // time-out): refusing at once would refuse every concurrent write, any key.
@@ -260,5 +261,6 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
             args.simulate_delay_before_forward,
         ),
         purge_interval: args.purge_interval,
+        limits: args.limits.limits(),
     })
 }

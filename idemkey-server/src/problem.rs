@@ -23,6 +23,9 @@ pub(crate) enum ApiError {
     /// The database cannot be reached (health check, or a server still starting); the
     /// detail says which. Answered with `Retry-After`.
     Unavailable(String),
+    /// The server holds its limit of client connections (the number); the request was not
+    /// run. Answered with `Retry-After`.
+    Overloaded(usize),
 }
 
 impl IntoResponse for ApiError {
@@ -44,6 +47,14 @@ impl IntoResponse for ApiError {
                 None,
             ),
             Self::Unavailable(detail) => (&problem::STORE_UNAVAILABLE, detail, None),
+            Self::Overloaded(limit) => (
+                &problem::SERVER_OVERLOADED,
+                format!(
+                    "the server holds its limit of {limit} client connections; nothing was \
+                     executed; retry after Retry-After"
+                ),
+                None,
+            ),
         };
         let status = StatusCode::from_u16(problem.status)
             .expect("every registered problem type has a valid status");

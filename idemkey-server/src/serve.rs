@@ -1,7 +1,7 @@
 //! `idemkey serve`: the payments API on a socket, with migrations, the purge and graceful
 //! shutdown.
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -22,6 +22,7 @@ use sqlx::sqlite::SqliteConnectOptions;
 use tower::ServiceExt;
 
 use crate::cli::{KeySecretArgs, OutboxArgs};
+use crate::http_server::{self, HttpLimits};
 use crate::outbox::{OutboxSink, spawn_relay};
 use crate::problem::ApiError;
 use crate::secret::{KeySecrets, migrate_for_start, redacted};
@@ -148,6 +149,8 @@ pub struct ServeOptions {
     pub purge_interval: Duration,
     /// Where outbox messages go; without a sink, payments emit none.
     pub outbox: OutboxArgs,
+    /// Timeouts and the connection limit of the HTTP server.
+    pub limits: HttpLimits,
 }
 
 fn demo_keys() -> ApiKeys {
@@ -204,9 +207,8 @@ where
     } else {
         options.api_keys.clone()
     };
-    let listener = tokio::net::TcpListener::bind(options.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", options.listen))?;
+    let listener = http_server::bind(options.listen, &options.limits, 1).await?;
+    let limits = options.limits;
     let address = listener.local_addr()?;
 
     let ready: Arc<OnceLock<Router>> = Arc::new(OnceLock::new());
@@ -287,14 +289,11 @@ where
         Ok((purge, relay))
     });
 
-    let server = axum::serve(listener, front)
-        .with_graceful_shutdown(shutdown_signal())
-        .into_future();
+    let server = http_server::run(listener, front, limits, shutdown_signal());
     tokio::pin!(server);
     let (purge, relay) = tokio::select! {
-        done = &mut server => {
+        () = &mut server => {
             starting.abort();
-            done.context("server failed")?;
             println!("idemkey stopped");
             return Ok(());
         }
@@ -304,7 +303,7 @@ where
             Err(e) => anyhow::bail!("the start-up task failed: {e}"),
         },
     };
-    server.await.context("server failed")?;
+    server.await;
     drop(purge);
     if let Some(relay) = relay {
         // The round in progress finishes: its deliveries' outcomes are written.

@@ -15,7 +15,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use axum::Router;
 use axum::extract::{Request, State};
 use axum::middleware::{Next, from_fn_with_state};
@@ -26,6 +25,7 @@ use idemkey_core::{AnswerRule, SystemClock};
 use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
 
 use crate::cli::KeySecretArgs;
+use crate::http_server::{self, HttpLimits};
 use crate::problem::ApiError;
 use crate::secret::migrate_for_start;
 use crate::serve::shutdown_signal;
@@ -193,6 +193,8 @@ pub struct GatewayOptions {
     pub simulate_delay_before_forward: Duration,
     /// How often expired records are purged.
     pub purge_interval: Duration,
+    /// Timeouts and the connection limit of the HTTP server.
+    pub limits: HttpLimits,
 }
 
 /// What the gateway's handlers share.
@@ -334,9 +336,8 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
         forwarder,
         keyed,
     }));
-    let listener = tokio::net::TcpListener::bind(options.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", options.listen))?;
+    // Each client connection may hold one to the upstream too.
+    let listener = http_server::bind(options.listen, &options.limits, 2).await?;
     let routes: Vec<String> = options
         .routes
         .iter()
@@ -367,10 +368,7 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
             options.reconcile_interval,
         ))
     });
-    axum::serve(listener, router(gw))
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("gateway failed")?;
+    http_server::run(listener, router(gw), options.limits, shutdown_signal()).await;
     drop(purge);
     if let Some(r) = reconcile {
         r.abort();
