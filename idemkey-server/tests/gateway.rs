@@ -1310,6 +1310,79 @@ async fn the_reconciler_logs_no_raw_key() {
     }
 }
 
+/// The reconciler reads no more of an answer than it may store: a reconcile URL that
+/// answers 200 with an endless body leaves the record unknown, and the reconciler stops
+/// reading (the upstream sees its body dropped) instead of reading until the time-out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_reads_no_more_than_it_may_store() {
+    /// Sets its flag when dropped: the endless body was let go.
+    struct Dropped(Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db.gateway(&upstream.base, &[]).await;
+    upstream.on_next("endless", Behaviour::DropBeforeEffect);
+    client_of(&gw)
+        .transfer("endless", 1)
+        .await
+        .assert_problem(504, "upstream-outcome-unknown");
+    drop(gw);
+
+    let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = dropped.clone();
+    let endless = serve_on_own_thread(Router::new().route(
+        "/lookup",
+        get(move || {
+            let guard = Dropped(flag.clone());
+            async move {
+                let chunks = futures::stream::unfold(guard, |guard| async move {
+                    Some((
+                        Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 16 * 1024])),
+                        guard,
+                    ))
+                });
+                (StatusCode::OK, Body::from_stream(chunks))
+            }
+        }),
+    ));
+    let url = format!("http://{endless}/lookup?idempotency_key={{key}}");
+    let args = [
+        "--reconcile-url",
+        &url,
+        "--reconcile-interval",
+        "200ms",
+        "--max-stored-response",
+        "64KiB",
+        "--upstream-timeout",
+        "120s",
+    ];
+    let reconciling = db.gateway(&upstream.base, &args).await;
+    let c = client_of(&reconciling);
+    let series = "idemkey_reconciled_total{result=\"still_unknown\"}";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.metric(series).await == 0 || !dropped.load(Ordering::SeqCst) {
+        assert!(
+            Instant::now() < deadline,
+            "the reconciler is still reading the endless answer"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    c.transfer("endless", 1)
+        .await
+        .assert_problem(409, "outcome-unknown");
+    assert!(
+        reconciling
+            .log_text()
+            .contains("over --max-stored-response"),
+        "{}",
+        reconciling.log_text()
+    );
+}
+
 /// A retry while the first attempt runs: `wait` polls and replays, a short bound or `reject`
 /// answers 409 with Retry-After; a different body under the key is 422.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

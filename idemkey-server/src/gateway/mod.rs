@@ -519,6 +519,49 @@ mod tests {
     }
 
     #[test]
+    fn tenant_sources() {
+        use http::HeaderMap;
+        let keys = ApiKeys::new([("acme".to_owned(), "tok".to_owned())]);
+        let none = TenantSource::from_flags(ApiKeys::default(), None, None).unwrap_err();
+        assert!(none.contains("--tenant-header"), "{none}");
+        assert!(TenantSource::from_flags(keys.clone(), Some("X-Tenant"), None).is_err());
+        assert!(TenantSource::from_flags(ApiKeys::default(), Some("a b"), None).is_err());
+        assert!(TenantSource::from_flags(ApiKeys::default(), Some("cookie"), None).is_err());
+        assert!(TenantSource::from_flags(ApiKeys::default(), None, Some("")).is_err());
+        let by_header =
+            TenantSource::from_flags(ApiKeys::default(), Some("X-Tenant"), None).unwrap();
+        fn tenant(source: &TenantSource, pairs: &[(&str, &str)]) -> Option<String> {
+            let mut headers = HeaderMap::new();
+            for (name, value) in pairs {
+                let name = header::HeaderName::from_bytes(name.as_bytes()).unwrap();
+                headers.append(name, value.parse().unwrap());
+            }
+            source.tenant_of(&headers).ok()
+        }
+        assert_eq!(
+            tenant(&by_header, &[("x-tenant", " acme ")]).as_deref(),
+            Some("acme")
+        );
+        assert_eq!(tenant(&by_header, &[]), None);
+        assert_eq!(tenant(&by_header, &[("x-tenant", "")]), None);
+        assert_eq!(
+            tenant(&by_header, &[("x-tenant", "a"), ("x-tenant", "b")]),
+            None
+        );
+        let overlong = "t".repeat(256);
+        assert_eq!(tenant(&by_header, &[("x-tenant", &overlong)]), None);
+        let by_key = TenantSource::from_flags(keys, None, None).unwrap();
+        assert_eq!(
+            tenant(&by_key, &[("authorization", "Bearer tok")]).as_deref(),
+            Some("acme")
+        );
+        assert_eq!(tenant(&by_key, &[("authorization", "Bearer other")]), None);
+        assert_eq!(tenant(&by_key, &[("x-tenant", "acme")]), None);
+        let single = TenantSource::from_flags(ApiKeys::default(), None, Some("all")).unwrap();
+        assert_eq!(tenant(&single, &[]).as_deref(), Some("all"));
+    }
+
+    #[test]
     fn routes_carry_their_answer_rule() {
         use idemkey_core::AfterEffect;
         let rule = RouteRule::parse(
