@@ -408,7 +408,7 @@ pub struct GatewayArgs {
     /// What a retry gets while the first attempt is running.
     #[arg(long, value_enum, default_value_t = InFlight::Wait)]
     pub in_flight: InFlight,
-    /// How long a retry waits (polling the record) under --in-flight wait.
+    /// How long a retry waits for the first attempt under --in-flight wait.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     pub wait_timeout: Duration,
     /// How long a reservation is held without renewal (renewed every third of it).
