@@ -1,6 +1,9 @@
 //! `idemkey gateway`: a reverse proxy that puts the idempotency contract in front of any
 //! HTTP service, for effects that cannot share a transaction with the record.
 //!
+//! Each request's tenant comes from the one source the operator names ([`TenantSource`]):
+//! API keys, a header set by an authenticating proxy in front, or one tenant for all.
+//!
 //! The gateway is the layer's external mode ([`IdempotencyLayer::external`](idemkey_tower::IdempotencyLayer::external)) with a proxy
 //! handler: a keyed request is reserved with a lease, renewed while the upstream works; the
 //! point of no return is passed once a connection to the upstream is open, just before the
@@ -180,10 +183,14 @@ impl TenantSource {
     /// a single tenant. Naming none or several is an error that says how to name one.
     pub fn from_flags(
         api_keys: ApiKeys,
-        header: Option<&str>,
+        tenant_header: Option<&str>,
         single: Option<&str>,
     ) -> Result<Self, String> {
-        let named = [!api_keys.is_empty(), header.is_some(), single.is_some()];
+        let named = [
+            !api_keys.is_empty(),
+            tenant_header.is_some(),
+            single.is_some(),
+        ];
         match named.iter().filter(|n| **n).count() {
             0 => {
                 return Err(
@@ -202,7 +209,7 @@ impl TenantSource {
                     .to_owned());
             }
         }
-        if let Some(name) = header {
+        if let Some(name) = tenant_header {
             let name = header::HeaderName::from_bytes(name.trim().as_bytes())
                 .map_err(|_| format!("--tenant-header {name:?} is not a header name"))?;
             if NOT_TENANT_HEADERS.contains(&name) {

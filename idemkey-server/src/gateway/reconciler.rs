@@ -45,7 +45,7 @@ const PAGE: u32 = 100;
 const MAX_BACKOFF: Duration = Duration::from_secs(600);
 
 /// The header that tells the upstream whose operation the reconciler asks about.
-pub(super) const TENANT_HEADER: &str = "idemkey-tenant";
+const TENANT_HEADER: &str = "idemkey-tenant";
 
 /// When each record still unknown is asked about next.
 #[derive(Debug, Default)]
