@@ -38,7 +38,7 @@ pub mod types {
     /// [`STORE_BUSY`](registry::STORE_BUSY): the store did not grant its lock in time; nothing ran.
     pub const STORE_BUSY: &str = registry::STORE_BUSY.uri;
     /// [`RESPONSE_TOO_LARGE`](registry::RESPONSE_TOO_LARGE): the response was too large to store;
-    /// its effect was rolled back.
+    /// its effect was rolled back, or, after a call out (the gateway), the outcome is unknown.
     pub const RESPONSE_TOO_LARGE: &str = registry::RESPONSE_TOO_LARGE.uri;
     /// [`INTERNAL_ERROR`](registry::INTERNAL_ERROR): the handler failed; its effect was rolled
     /// back.

@@ -87,8 +87,10 @@ problem_types! {
     STORE_UNAVAILABLE = "store-unavailable", 503, "Idempotency store unavailable", retry: true;
     /// The store did not grant its lock in time; nothing was executed.
     STORE_BUSY = "store-busy", 503, "Idempotency store busy", retry: true;
-    /// The response was too large to store; its effect was rolled back. Not retried: the
-    /// same response would be too large again.
+    /// The response was too large to store. In one local transaction its effect was rolled
+    /// back; after a call out (external mode, the gateway) it may have happened, and the
+    /// operation is left indeterminate, with `status_url` linking its status resource. Not
+    /// retried: the same response would be too large again.
     RESPONSE_TOO_LARGE = "response-too-large", 500, "Response too large to store", retry: false;
     /// The handler failed; its effect was rolled back.
     INTERNAL_ERROR = "internal-error", 500, "Internal error", retry: true;

@@ -8,6 +8,9 @@ use tokio::sync::Mutex;
 
 use crate::{DeliveryError, Sink, envelope};
 
+/// How long the sink waits before it publishes again to a stream without a leader.
+const LEADERLESS_RETRY: Duration = Duration::from_millis(50);
+
 /// How a [`NatsSink`] publishes, and the stream it may create.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NatsConfig {
@@ -17,9 +20,15 @@ pub struct NatsConfig {
     /// creates none, and the sink refuses to start (and deliveries fail) until the operator
     /// creates one. The default is [`NatsConfig::default_stream_name`] of the subject.
     pub create_stream: Option<String>,
-    /// The duplicate window of a stream this sink creates (an existing stream keeps its own):
-    /// a redelivery later than this after the first copy is stored again.
+    /// The duplicate window of a stream this sink creates, and the shortest it expects of a
+    /// stream it adopts (which keeps its own; a shorter one is logged as a warning at
+    /// connect): a redelivery later than this after the first copy is stored again. Make it
+    /// at least the relay's [`RelayConfig::redelivery_horizon`](crate::RelayConfig::redelivery_horizon).
     pub duplicate_window: Duration,
+    /// The replicas of a stream this sink creates: 1 on a single server, 3 (or 5) on a
+    /// cluster, so that a stored message and its id survive the loss of a server. A stream
+    /// with one replica in a cluster is logged as a warning at connect.
+    pub replicas: usize,
     /// How long a publish waits for JetStream's acknowledgement, and a stream look-up for its
     /// answer.
     pub ack_timeout: Duration,
@@ -32,13 +41,14 @@ impl NatsConfig {
     pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
     /// Publishes to `subject`; creates the stream [`default_stream_name`](Self::default_stream_name)
-    /// when none captures it, with a two-minute duplicate window.
+    /// when none captures it, with one replica and a two-minute duplicate window.
     pub fn new(subject: impl Into<String>) -> Self {
         let subject = subject.into();
         Self {
             create_stream: Some(Self::default_stream_name(&subject)),
             subject,
             duplicate_window: Self::DEFAULT_DUPLICATE_WINDOW,
+            replicas: 1,
             ack_timeout: Self::DEFAULT_ACK_TIMEOUT,
         }
     }
@@ -118,11 +128,7 @@ impl NatsSink {
     /// subject and `config` creates none.
     pub async fn connect_with(url: &str, config: NatsConfig) -> Result<Self, DeliveryError> {
         validate_subject(&config.subject)?;
-        let servers = url
-            .split(',')
-            .map(|one| one.trim().parse::<async_nats::ServerAddr>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| DeliveryError(format!("invalid NATS URL {url:?}: {e}")))?;
+        let servers = parse_servers(url)?;
         let client = async_nats::ConnectOptions::new()
             .name("idemkey-outbox")
             .connection_timeout(config.ack_timeout)
@@ -146,6 +152,7 @@ impl NatsSink {
             stream: Mutex::new(String::new()),
         };
         sink.find_or_create_stream().await?;
+        sink.check_stream().await;
         Ok(sink)
     }
 
@@ -153,6 +160,18 @@ impl NatsSink {
     /// spaces (the check [`connect`](Self::connect) makes), without connecting.
     pub fn check_subject(subject: &str) -> Result<(), DeliveryError> {
         validate_subject(subject)
+    }
+
+    /// Checks that `url` is one server URL or several separated by commas (the check
+    /// [`connect_with`](Self::connect_with) makes), without connecting.
+    ///
+    /// ```
+    /// use idemkey_outbox::NatsSink;
+    /// assert!(NatsSink::check_servers("nats://10.0.0.1:4222, nats://10.0.0.2:4222").is_ok());
+    /// assert!(NatsSink::check_servers("nats://10.0.0.1:4222,").is_err());
+    /// ```
+    pub fn check_servers(url: &str) -> Result<(), DeliveryError> {
+        parse_servers(url).map(|_| ())
     }
 
     /// The subject messages are published to.
@@ -167,17 +186,37 @@ impl NatsSink {
     }
 
     /// Publishes `message` and waits for JetStream's acknowledgement.
+    ///
+    /// When nobody answers for the subject, the sink looks up its stream again (and creates
+    /// it, if allowed and none captures the subject). When a stream does capture it and still
+    /// nobody answers, the stream has no leader right now (a server is away, an election is
+    /// in progress): the sink publishes again, with the same `Nats-Msg-Id`, every
+    /// 50 ms until [`NatsConfig::ack_timeout`] has passed since the first try, then fails.
     pub async fn publish(&self, message: &Message) -> Result<Published, DeliveryError> {
+        let deadline = tokio::time::Instant::now() + self.config.ack_timeout;
+        let subject = &self.config.subject;
         match self.publish_once(message).await {
-            Err(Failure::NoStream) => {
-                // The stream went away since the sink looked: look (and maybe create) again,
-                // then publish once more.
-                self.find_or_create_stream().await?;
-                self.publish_once(message)
-                    .await
-                    .map_err(|f| f.into_error(&self.config.subject))
+            Err(Failure::NoStream) => {}
+            other => return other.map_err(|f| f.into_error(subject)),
+        }
+        // The stream went away since the sink looked, or has no leader: look (and maybe
+        // create) again, then publish again until the deadline.
+        self.find_or_create_stream().await?;
+        loop {
+            match self.publish_once(message).await {
+                Err(Failure::NoStream) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(LEADERLESS_RETRY).await;
+                }
+                Err(Failure::NoStream) => {
+                    let stream = self.stream().await;
+                    return Err(DeliveryError(format!(
+                        "the JetStream stream {stream:?} captures the subject {subject:?} but \
+                         has no leader to store the message (a server is away or an election \
+                         is in progress)"
+                    )));
+                }
+                other => return other.map_err(|f| f.into_error(subject)),
             }
-            other => other.map_err(|f| f.into_error(&self.config.subject)),
         }
     }
 
@@ -209,6 +248,35 @@ impl NatsSink {
         })
     }
 
+    /// Warns about what the stream the sink publishes into cannot hold: a duplicate window
+    /// shorter than [`NatsConfig::duplicate_window`], one replica in a cluster. Best effort:
+    /// a stream whose information does not come (no leader right now) is not checked.
+    async fn check_stream(&self) {
+        let name = self.stream().await;
+        let info = match self.jetstream.get_stream(&name).await {
+            Ok(stream) => stream.cached_info().clone(),
+            Err(e) => {
+                tracing::debug!(stream = %name, error = %e, "cannot read the JetStream stream's configuration; not checked");
+                return;
+            }
+        };
+        if info.config.duplicate_window < self.config.duplicate_window {
+            tracing::warn!(
+                stream = %name,
+                duplicate_window = ?info.config.duplicate_window,
+                expected = ?self.config.duplicate_window,
+                "the JetStream stream's duplicate window is shorter than the outbox expects: a redelivery after it is stored again"
+            );
+        }
+        let clustered = info.cluster.is_some_and(|cluster| cluster.name.is_some());
+        if clustered && info.config.num_replicas <= 1 {
+            tracing::warn!(
+                stream = %name,
+                "the JetStream stream has one replica in a cluster: while its server is away, nothing is delivered, and a lost store loses its messages and ids"
+            );
+        }
+    }
+
     /// Finds the stream that captures the subject; creates the configured one if none does.
     async fn find_or_create_stream(&self) -> Result<(), DeliveryError> {
         use async_nats::jetstream::context::GetStreamByNameErrorKind as Kind;
@@ -228,6 +296,7 @@ impl NatsSink {
                         name: name.clone(),
                         subjects: vec![subject.clone()],
                         duplicate_window: self.config.duplicate_window,
+                        num_replicas: self.config.replicas,
                         ..Default::default()
                     })
                     .await
@@ -243,7 +312,7 @@ impl NatsSink {
             Err(e) => {
                 return Err(DeliveryError(format!(
                     "cannot look up the JetStream stream of the subject {subject:?} \
-                     (is JetStream enabled?): {e}"
+                     (JetStream is off, or its cluster has no leader right now): {e}"
                 )));
             }
         };
@@ -268,6 +337,22 @@ impl Failure {
             Self::Other(text) => DeliveryError(text),
         }
     }
+}
+
+/// The servers of a comma-separated list of URLs; none of them empty.
+fn parse_servers(url: &str) -> Result<Vec<async_nats::ServerAddr>, DeliveryError> {
+    url.split(',')
+        .map(|one| {
+            let one = one.trim();
+            if one.is_empty() {
+                return Err(DeliveryError(format!(
+                    "invalid NATS URL {url:?}: an empty server in the list"
+                )));
+            }
+            one.parse::<async_nats::ServerAddr>()
+                .map_err(|e| DeliveryError(format!("invalid NATS URL {url:?}: {e}")))
+        })
+        .collect()
 }
 
 fn validate_subject(subject: &str) -> Result<(), DeliveryError> {
@@ -307,6 +392,22 @@ mod tests {
         }
         for good in ["a", "payments.events", "a-b.c_d.E1"] {
             assert!(validate_subject(good).is_ok(), "{good:?}");
+        }
+    }
+
+    #[test]
+    fn a_server_list_is_checked_entry_by_entry() {
+        let servers =
+            parse_servers("nats://127.0.0.1:4222, 127.0.0.1:4223,nats://[::1]:4224").unwrap();
+        assert_eq!(servers.len(), 3);
+        for bad in [
+            "",
+            "nats://127.0.0.1:4222,",
+            "nats://a:1,,nats://b:2",
+            "nats://a:99999",
+        ] {
+            let e = parse_servers(bad).unwrap_err();
+            assert!(e.0.starts_with("invalid NATS URL"), "{bad:?}: {e}");
         }
     }
 

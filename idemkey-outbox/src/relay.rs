@@ -88,6 +88,35 @@ impl Default for RelayConfig {
     }
 }
 
+impl RelayConfig {
+    /// The longest time from a message's first delivery attempt to the end of its last one,
+    /// while relays and the database are up: between attempts `k` and `k + 1`, the longer of
+    /// a delivery time-out plus the backoff ceiling after attempt `k` and a claim (a relay that
+    /// died mid-delivery), plus a poll; then the last attempt's delivery time-out. A
+    /// destination that drops redeliveries only within a window (JetStream's duplicate
+    /// window) drops all of them when its window is at least this long.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idemkey_outbox::{Backoff, RelayConfig};
+    /// let config = RelayConfig {
+    ///     max_attempts: 3,
+    ///     claim: Duration::from_secs(6),
+    ///     delivery_timeout: Duration::from_secs(2),
+    ///     backoff: Backoff { first: Duration::from_secs(1), max: Duration::from_secs(8) },
+    ///     poll: Duration::ZERO,
+    ///     ..RelayConfig::default()
+    /// };
+    /// // max(2 + 1, 6) + max(2 + 2, 6) + 2
+    /// assert_eq!(config.redelivery_horizon(), Duration::from_secs(14));
+    /// ```
+    pub fn redelivery_horizon(&self) -> Duration {
+        (1..self.max_attempts)
+            .map(|k| (self.delivery_timeout + self.backoff.ceiling(k)).max(self.claim) + self.poll)
+            .fold(self.delivery_timeout, Duration::saturating_add)
+    }
+}
+
 /// What one round did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Round {

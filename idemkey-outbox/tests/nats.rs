@@ -21,19 +21,20 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt;
-use idemkey_core::outbox::{Message, MessageState, OutboxStore};
-use idemkey_core::{KeyHasher, Store, Timestamp};
+use idemkey_core::KeyHasher;
+use idemkey_core::outbox::{Message, MessageState};
 use idemkey_outbox::{
-    Backoff, DeliveryError, Inbox, NatsConfig, NatsSink, Relay, RelayConfig, Round, Sink,
+    Backoff, DeliveryError, Inbox, NatsConfig, NatsSink, Relay, RelayConfig, Sink,
     consume_jetstream_with, envelope, jetstream_message_id,
 };
 use idemkey_postgres::PgStore;
 use idemkey_testkit::{NatsServer, Stop};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
-use support::{all_messages, enqueue_many, fresh_postgres};
+use support::nats::{message, stream_contents};
+use support::{all_messages, enqueue_many, fresh_postgres, unsent, until_unsent_at_most};
 
 const CHILD_ENV: &str = "IDEMKEY_TEST_CHILD";
 const SUBJECT: &str = "payments.events";
@@ -43,43 +44,6 @@ async fn start_nats() -> NatsServer {
     tokio::task::spawn_blocking(NatsServer::start)
         .await
         .unwrap()
-}
-
-/// Messages not yet sent (pending or dead).
-async fn unsent(store: &PgStore) -> u64 {
-    let mut conn = store.acquire().await.unwrap();
-    let stats = store.outbox_stats(&mut conn).await.unwrap();
-    stats.pending + stats.dead
-}
-
-/// Waits until at most `left` messages are unsent; fails after `within`. With the `rounds`
-/// of a relay in this process it looks again after each of the relay's rounds; without (a
-/// relay in another process, whose progress only the store shows) it polls the store.
-async fn until_unsent_at_most(
-    store: &PgStore,
-    left: u64,
-    within: Duration,
-    what: &str,
-    mut rounds: Option<watch::Receiver<Round>>,
-) -> u64 {
-    let deadline = Instant::now() + within;
-    loop {
-        let now_unsent = unsent(store).await;
-        if now_unsent <= left {
-            return now_unsent;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: still {now_unsent} unsent after {within:?}"
-        );
-        match rounds.as_mut() {
-            Some(rounds) => {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let _ = tokio::time::timeout(left, rounds.changed()).await;
-            }
-            None => tokio::time::sleep(Duration::from_millis(5)).await,
-        }
-    }
 }
 
 fn sink_config() -> NatsConfig {
@@ -123,27 +87,6 @@ impl Sink for Counting {
         }
         Ok(())
     }
-}
-
-/// The stream's messages, in order: `(Nats-Msg-Id, payload)`.
-async fn stream_contents(js: &jetstream::Context, name: &str) -> Vec<(String, Vec<u8>)> {
-    let mut stream = js.get_stream(name).await.unwrap();
-    let state = stream.info().await.unwrap().state.clone();
-    let mut contents = Vec::new();
-    if state.messages == 0 {
-        return contents;
-    }
-    for seq in state.first_sequence..=state.last_sequence {
-        let message = stream.get_raw_message(seq).await.unwrap();
-        let id = message
-            .headers
-            .get(async_nats::header::NATS_MESSAGE_ID)
-            .map(|v| v.as_str().to_owned())
-            .unwrap_or_default();
-        contents.push((id, message.payload.to_vec()));
-    }
-    assert_eq!(contents.len() as u64, state.messages, "a gap in the stream");
-    contents
 }
 
 async fn stream_names(js: &jetstream::Context) -> Vec<String> {
@@ -454,24 +397,6 @@ async fn effects(store: &PgStore, label: &str) -> i64 {
         .fetch_one(store.pool())
         .await
         .unwrap()
-}
-
-fn message(id: &str) -> Message {
-    Message {
-        seq: 1,
-        id: id.into(),
-        group: "g".into(),
-        kind: "payment.succeeded".into(),
-        data: r#"{"amount":500}"#.into(),
-        created_at: Timestamp::now(),
-        state: MessageState::Pending,
-        attempts: 1,
-        next_attempt_at: Timestamp(0),
-        claimed_by: None,
-        claimed_until: None,
-        last_error: None,
-        sent_at: None,
-    }
 }
 
 /// With an operator's stream that captures the subject (by a wildcard), the sink publishes

@@ -48,6 +48,7 @@ impl OutboxSink {
         let mut config = NatsConfig::new(subject.clone());
         config.ack_timeout = args.outbox_delivery_timeout.mul_f64(0.8);
         NatsSink::check_subject(subject).map_err(|e| anyhow::anyhow!("--outbox-subject: {e}"))?;
+        NatsSink::check_servers(url).map_err(|e| anyhow::anyhow!("--outbox-nats: {e}"))?;
         Ok(Some(Self::Nats(Arc::new(LazyNats {
             url: url.clone(),
             config,

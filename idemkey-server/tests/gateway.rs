@@ -1476,7 +1476,7 @@ async fn server_errors_and_oversized_answers() {
     client_of(&small)
         .transfer("big", 1)
         .await
-        .assert_problem(504, "upstream-outcome-unknown");
+        .assert_problem(500, "response-too-large");
     client_of(&small)
         .transfer("big", 1)
         .await

@@ -526,3 +526,48 @@ async fn sqlite_operator_commands_and_the_relay_process() {
 async fn postgres_operator_commands_and_the_relay_process() {
     operator_commands_and_the_relay_process(Backend::postgres().await).await;
 }
+
+/// `--outbox-nats` takes one server or a comma-separated list of them; a list with a server
+/// that cannot be parsed is refused at start, naming the flag, instead of failing every
+/// delivery later.
+#[test]
+fn relay_refuses_an_invalid_nats_server_list_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("relay.db").display());
+    let (ok, _, err) = cli(&["migrate", "--database-url", &url]);
+    assert!(ok, "{err}");
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_idemkey"))
+        .args([
+            "relay",
+            "--database-url",
+            &url,
+            "--outbox-subject",
+            "payments.events",
+        ])
+        .args([
+            "--outbox-nats",
+            "nats://127.0.0.1:4222,nats://127.0.0.1:99999",
+        ])
+        .env_remove("IDEMKEY_DATABASE_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start idemkey relay");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = relay.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = relay.kill();
+            let _ = relay.wait();
+            panic!("idemkey relay started with an invalid server list");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut relay.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    assert!(err.contains("--outbox-nats: invalid NATS URL"), "{err}");
+}

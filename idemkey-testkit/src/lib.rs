@@ -6,14 +6,18 @@
 //!   started from the installed binaries when `DATABASE_URL` is not set;
 //! - a throwaway NATS server with JetStream ([`NatsServer`]), started from the installed
 //!   `nats-server`, that a test can stop and start again on the same port and store;
+//! - a throwaway three-node JetStream cluster ([`NatsCluster`]), whose nodes a test can kill
+//!   and start again one by one;
 //! - [`FaultProxy`], re-exported from `idemkey-fault-proxy` (where it lives so that the
 //!   `idemkey demo` command can use it without the release binary linking this crate).
 
 pub mod conformance;
 mod nats;
+mod nats_cluster;
 mod postgres;
 
 pub use self::conformance::Harness;
 pub use self::nats::{NATS_SERVER_ENV, NatsServer, Stop, nats_server_binary};
+pub use self::nats_cluster::{CLUSTER_SIZE, NatsCluster};
 pub use self::postgres::*;
 pub use idemkey_fault_proxy::{FaultConfig, FaultProxy, ProxyStats};

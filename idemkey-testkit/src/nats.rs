@@ -12,6 +12,7 @@
 //! closes and the watchdog stops the server. (The store directory is then left in the
 //! temporary directory.)
 
+use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -25,7 +26,12 @@ pub const NATS_SERVER_ENV: &str = "IDEMKEY_NATS_SERVER";
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How many times a first start is retried when its port was taken in the meantime.
-const PORT_ATTEMPTS: usize = 5;
+pub(crate) const PORT_ATTEMPTS: usize = 5;
+
+/// The server's log, in its directory.
+const LOG: &str = "nats.log";
+/// Written by the watchdog when the server exits, in its directory.
+const EXITED: &str = "nats.exited";
 
 /// A running (or stopped) throwaway `nats-server -js`.
 #[derive(Debug)]
@@ -33,13 +39,7 @@ pub struct NatsServer {
     binary: PathBuf,
     port: u16,
     dir: tempfile::TempDir,
-    running: Option<Running>,
-}
-
-#[derive(Debug)]
-struct Running {
-    watchdog: Child,
-    lifeline: ChildStdin,
+    running: Option<Process>,
 }
 
 /// How to stop the server.
@@ -60,14 +60,8 @@ impl NatsServer {
     /// skips), or the server does not accept connections within 30 s.
     #[track_caller]
     pub fn start() -> Self {
-        let binary = match nats_server_binary() {
-            Ok(binary) => binary,
-            Err(message) => panic!("{message}"),
-        };
-        let dir = match tempfile::Builder::new().prefix("idemkey-nats-").tempdir() {
-            Ok(dir) => dir,
-            Err(e) => panic!("cannot create a directory for the throwaway NATS server: {e}"),
-        };
+        let binary = nats_server_binary().unwrap_or_else(|message| panic!("{message}"));
+        let dir = temporary_dir("idemkey-nats-");
         let mut server = Self {
             binary,
             port: 0,
@@ -82,9 +76,7 @@ impl NatsServer {
             };
             match server.launch() {
                 Ok(()) => return server,
-                Err(message) if message.contains("address already in use") => {
-                    failures.push(message);
-                }
+                Err(message) if port_taken(&message) => failures.push(message),
                 Err(message) => panic!("{message}"),
             }
         }
@@ -117,17 +109,8 @@ impl NatsServer {
 
     /// Stops the server and waits until it is gone (its port free).
     pub fn stop(&mut self, how: Stop) {
-        if let Some(Running {
-            mut watchdog,
-            mut lifeline,
-        }) = self.running.take()
-        {
-            if how == Stop::Kill {
-                let _ = lifeline.write_all(b"kill\n");
-                let _ = lifeline.flush();
-            }
-            drop(lifeline);
-            let _ = watchdog.wait();
+        if let Some(process) = self.running.take() {
+            process.stop(how);
         }
     }
 
@@ -147,21 +130,51 @@ impl NatsServer {
 
     /// Runs the server under its watchdog and waits until it accepts connections.
     fn launch(&mut self) -> Result<(), String> {
-        let log = self.dir.path().join("nats.log");
-        let exited = self.dir.path().join("nats.exited");
-        let _ = std::fs::remove_file(&exited);
+        let args: Vec<OsString> = vec![
+            "-js".into(),
+            "-a".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            self.port.to_string().into(),
+            "-sd".into(),
+            self.store_dir().into(),
+            "-n".into(),
+            "idemkey-test-nats".into(),
+        ];
+        let address = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let mut process = Process::spawn(&self.binary, self.dir.path(), &args)?;
+        process.wait_until(
+            || jetstream_ready(address),
+            "accept connections with JetStream",
+        )?;
+        self.running = Some(process);
+        Ok(())
+    }
+}
+
+/// One `nats-server` under its watchdog, its log and exit marker in a directory of its own.
+#[derive(Debug)]
+pub(crate) struct Process {
+    watchdog: Child,
+    lifeline: ChildStdin,
+    binary: PathBuf,
+    dir: PathBuf,
+    args: Vec<OsString>,
+}
+
+impl Process {
+    /// Runs `binary args` in `dir` under the watchdog (which stops it when this process is
+    /// gone), its output in `dir/nats.log`.
+    pub(crate) fn spawn(binary: &Path, dir: &Path, args: &[OsString]) -> Result<Self, String> {
+        let _ = std::fs::remove_file(dir.join(EXITED));
         let mut watchdog = Command::new("/bin/sh");
         watchdog
             .args(["-c", WATCHDOG_SCRIPT, "idemkey-nats-watchdog"])
-            .arg(&self.binary)
-            .arg(&exited)
-            .arg(&log)
-            .args(["-js", "-a", "127.0.0.1", "-p"])
-            .arg(self.port.to_string())
-            .arg("-sd")
-            .arg(self.store_dir())
-            .args(["-n", "idemkey-test-nats"])
-            .current_dir(self.dir.path())
+            .arg(binary)
+            .arg(dir.join(EXITED))
+            .arg(dir.join(LOG))
+            .args(args)
+            .current_dir(dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
@@ -171,36 +184,79 @@ impl NatsServer {
             .spawn()
             .map_err(|e| format!("cannot start the NATS watchdog /bin/sh: {e}"))?;
         let lifeline = child.stdin.take().expect("stdin is piped");
-        self.running = Some(Running {
+        Ok(Self {
             watchdog: child,
             lifeline,
-        });
-        let address = SocketAddr::from(([127, 0, 0, 1], self.port));
+            binary: binary.to_owned(),
+            dir: dir.to_owned(),
+            args: args.to_vec(),
+        })
+    }
+
+    /// Waits until `ready()` (polled every 20 ms, for at most 30 s); when the server exits
+    /// or the time is up, kills it and answers why, with its log.
+    pub(crate) fn wait_until(
+        &mut self,
+        mut ready: impl FnMut() -> bool,
+        what: &str,
+    ) -> Result<(), String> {
         let deadline = Instant::now() + STARTUP_TIMEOUT;
         let failure = loop {
-            if exited.exists() {
-                break "exited during startup";
+            if self.dir.join(EXITED).exists() {
+                break "exited during startup".to_owned();
             }
-            if jetstream_ready(address) {
+            if ready() {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                break "did not accept connections with JetStream within 30 s";
+                break format!("did not {what} within {STARTUP_TIMEOUT:?}");
             }
             std::thread::sleep(Duration::from_millis(20));
         };
-        self.stop(Stop::Kill);
+        let _ = self.lifeline.write_all(b"kill\n");
+        let _ = self.lifeline.flush();
+        let _ = self.watchdog.wait();
+        Err(self.failure(&failure))
+    }
+
+    /// `the throwaway NATS server (…) <failure>`, and its log.
+    fn failure(&self, failure: &str) -> String {
+        let log = self.dir.join(LOG);
         let log_text = std::fs::read_to_string(&log)
             .unwrap_or_else(|e| format!("<cannot read {}: {e}>", log.display()));
-        Err(format!(
-            "the throwaway NATS server ({} -js -p {} -sd {}) {failure}.\n\
+        let command: Vec<_> = self.args.iter().map(|a| a.to_string_lossy()).collect();
+        format!(
+            "the throwaway NATS server ({} {}) {failure}.\n\
              --- server log ---\n{}\n--- end of server log ---",
             self.binary.display(),
-            self.port,
-            self.store_dir().display(),
+            command.join(" "),
             log_text.trim_end()
-        ))
+        )
     }
+
+    /// Stops the server and waits until it is gone.
+    pub(crate) fn stop(mut self, how: Stop) {
+        if how == Stop::Kill {
+            let _ = self.lifeline.write_all(b"kill\n");
+            let _ = self.lifeline.flush();
+        }
+        drop(self.lifeline);
+        let _ = self.watchdog.wait();
+    }
+}
+
+/// Whether a start failed because a port was taken in the meantime.
+pub(crate) fn port_taken(failure: &str) -> bool {
+    failure.contains("address already in use")
+}
+
+/// A fresh temporary directory named `prefix…`.
+#[track_caller]
+pub(crate) fn temporary_dir(prefix: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .unwrap_or_else(|e| panic!("cannot create a directory for a throwaway NATS server: {e}"))
 }
 
 impl Drop for NatsServer {
@@ -221,7 +277,7 @@ fn jetstream_ready(address: SocketAddr) -> bool {
         && line.contains("\"jetstream\":true")
 }
 
-fn free_port() -> std::io::Result<u16> {
+pub(crate) fn free_port() -> std::io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

@@ -1,6 +1,7 @@
 //! The layer and its per-route configuration.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use http::HeaderName;
@@ -43,6 +44,9 @@ pub(crate) struct Config {
     /// Attempts of one key in this process go to the store one at a time; shared by every
     /// layer derived from this one.
     pub(crate) turns: Arc<Turns>,
+    /// Set once a request without a [`Tenant`](crate::Tenant) was warned about; shared by
+    /// every layer derived from this one, so the warning is given once.
+    pub(crate) warned_untenanted: Arc<AtomicBool>,
 }
 
 /// Seals a raw key for its record (see [`IdempotencyLayer::seal_keys`]).
@@ -131,6 +135,7 @@ impl<S> IdempotencyLayer<S> {
                     cache::DEFAULT_BYTES,
                 ))),
                 turns: Arc::new(Turns::default()),
+                warned_untenanted: Arc::new(AtomicBool::new(false)),
             }),
         }
     }
@@ -231,8 +236,10 @@ impl<S> IdempotencyLayer<S> {
         self.with(|c| c.max_request_body = bytes)
     }
 
-    /// The largest response body stored. A larger response cannot be replayed, so its
-    /// transaction rolls back and the client gets 500 `response-too-large`.
+    /// The largest response body stored, counted as sent (compressed, when the answer is).
+    /// A larger response cannot be replayed, so its transaction rolls back and the client
+    /// gets 500 `response-too-large`; in external mode the call went out, so the operation
+    /// is left indeterminate instead.
     ///
     /// ```
     /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
@@ -243,8 +250,8 @@ impl<S> IdempotencyLayer<S> {
         self.with(|c| c.max_stored_response = bytes)
     }
 
-    /// Stores and replays this response header too (besides `Content-Type`, `Location`,
-    /// `ETag`).
+    /// Stores and replays this response header too (besides `Content-Type`,
+    /// `Content-Encoding`, `Vary`, `Location`, `ETag`).
     ///
     /// ```
     /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {

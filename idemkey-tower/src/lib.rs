@@ -46,7 +46,9 @@ pub use idemkey_core::{AfterEffect, AnswerRule};
 
 /// The authenticated tenant of a request, as a request extension set by the application's
 /// authentication middleware. Keys are scoped by it. Requests without one share the
-/// [`Tenant::DEFAULT`] tenant (single-tenant applications need not set it).
+/// [`Tenant::DEFAULT`] tenant, and the layer warns once, at the first such keyed request:
+/// callers sharing a tenant can be answered with one another's stored responses. A service
+/// with one caller sets a fixed `Tenant` itself to say so.
 ///
 /// ```
 /// use axum::{extract::Request, middleware::Next, response::{IntoResponse, Response}};

@@ -72,13 +72,23 @@ pub enum IdempotencyRejection {
         /// When to try again.
         retry_after: Duration,
     },
-    /// The handler's response was too large to store; its effect was rolled back.
+    /// The answer was too large to store. In one local transaction, its effect was rolled
+    /// back (`status_url` is `None`). After a call out (external mode, the gateway), the call
+    /// may have taken effect: the operation is left indeterminate, never re-executed on its
+    /// own, and `status_url` names its status resource.
     #[error(
-        "the response was larger than {limit} bytes and could not be stored; nothing was executed"
+        "the response was larger than {limit} bytes and could not be stored; {}",
+        if .status_url.is_some() {
+            "the request was sent on and may have taken effect: its outcome is unknown and it will not be retried automatically"
+        } else {
+            "nothing was executed"
+        }
     )]
     ResponseTooLarge {
         /// The limit in bytes.
         limit: usize,
+        /// The status resource of the key, when the operation was left indeterminate.
+        status_url: Option<String>,
     },
     /// The handler panicked; its effect was rolled back.
     #[error("the request failed; nothing was executed")]
@@ -177,7 +187,12 @@ impl IntoResponse for IdempotencyRejection {
             | Self::UpstreamUnavailable { retry_after: r } => {
                 retry_after = Some(r.as_secs().max(1));
             }
-            Self::OutcomeUnknown { status_url } | Self::UpstreamOutcomeUnknown { status_url } => {
+            Self::OutcomeUnknown { status_url }
+            | Self::UpstreamOutcomeUnknown { status_url }
+            | Self::ResponseTooLarge {
+                status_url: Some(status_url),
+                ..
+            } => {
                 body["status_url"] = serde_json::json!(status_url);
                 link = Some(format!("<{status_url}>; rel=\"status\""));
             }

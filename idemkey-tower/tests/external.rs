@@ -440,3 +440,42 @@ async fn an_owner_whose_client_hung_up_still_records_the_outcome() {
     assert_eq!(bank.calls.load(Ordering::SeqCst), 1);
     assert_eq!(states(&store).await, [RecordState::Completed]);
 }
+
+/// An answer too large to store came after the call went out: 500 `response-too-large`
+/// that says so and links the status resource; the operation is left indeterminate and
+/// never called again.
+#[tokio::test]
+async fn an_answer_too_large_to_store_is_indeterminate() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("t.db").display());
+    let store = SqliteStore::connect(&url).await.unwrap();
+    store.migrate().await.unwrap();
+    let bank = Bank::default();
+    let layer = IdempotencyLayer::new(
+        store.clone(),
+        KeyHasher::new(b"a key secret of thirty-two bytes or more"),
+    )
+    .external(LEASE)
+    .max_stored_response(4);
+    let app = Router::new()
+        .route("/transfers", post(transfer).layer(layer))
+        .with_state(bank.clone());
+
+    let (status, _, text) = send(&app, "t-9", "{}").await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{text}");
+    let problem: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(problem["type"], "urn:idemkey:problem:response-too-large");
+    assert_eq!(problem["status_url"], "/idempotency/v1/keys/t-9");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .unwrap()
+            .contains("may have taken effect"),
+        "{text}"
+    );
+    let (status, _, text) = send(&app, "t-9", "{}").await;
+    assert_eq!(status, StatusCode::CONFLICT, "{text}");
+    assert!(text.contains("outcome-unknown"), "{text}");
+    assert_eq!(bank.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(states(&store).await, [RecordState::Indeterminate]);
+}

@@ -85,3 +85,63 @@ async fn spans_carry_the_key_id_never_the_raw_key() {
     );
     assert!(!logs.contains("4711"), "part of the raw key leaked: {logs}");
 }
+
+#[tokio::test]
+async fn a_request_without_a_tenant_is_warned_about_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("t.db").display());
+    let store = SqliteStore::connect(&url).await.unwrap();
+    store.migrate().await.unwrap();
+    let layer = IdempotencyLayer::new(store, KeyHasher::new(b"secret"));
+    let app = Router::new()
+        .route("/orders", post(handler).layer(layer.clone()))
+        .route("/refunds", post(handler).layer(layer.optional()));
+
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(captured.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let warnings = || {
+        String::from_utf8(captured.0.lock().unwrap().clone())
+            .unwrap()
+            .matches("without a Tenant")
+            .count()
+    };
+
+    let send = |path: &str, key: &str, tenant: Option<&str>| {
+        let mut request = Request::post(path)
+            .header("idempotency-key", key)
+            .body(Body::from("{}"))
+            .unwrap();
+        if let Some(tenant) = tenant {
+            request.extensions_mut().insert(Tenant(tenant.to_owned()));
+        }
+        app.clone().oneshot(request)
+    };
+    assert_eq!(
+        send("/orders", "k1", Some("acme")).await.unwrap().status(),
+        StatusCode::CREATED
+    );
+    assert_eq!(warnings(), 0, "a request with a tenant is not warned about");
+    assert_eq!(
+        send("/orders", "k2", None).await.unwrap().status(),
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        warnings(),
+        1,
+        "the first request without a tenant is warned about"
+    );
+    assert_eq!(
+        send("/orders", "k3", None).await.unwrap().status(),
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        send("/refunds", "k4", None).await.unwrap().status(),
+        StatusCode::CREATED
+    );
+    assert_eq!(warnings(), 1, "and only once, on every route of the layer");
+}

@@ -3,14 +3,22 @@
 
 #![allow(dead_code)] // not every test file uses every helper
 
+#[cfg(feature = "nats")]
+pub(crate) mod nats;
+
 use futures::future::BoxFuture;
 use idemkey_core::BoxError;
+use std::time::{Duration, Instant};
+
+use idemkey_core::Store;
 use idemkey_core::outbox::{Message, MessageFilter, OutboxStore};
+use idemkey_outbox::Round;
 use idemkey_outbox::{Outgoing, enqueue_on};
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::rusqlite::params;
 use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use tempfile::TempDir;
+use tokio::sync::watch;
 
 /// A fresh store of any kind with an `effects` table (no unique constraint: only the
 /// inbox keeps duplicates out); the guard keeps a SQLite file.
@@ -153,4 +161,41 @@ pub(crate) async fn all_messages<S: OutboxStore>(store: &S) -> Vec<Message> {
         limit: 100_000,
     };
     store.messages(&mut conn, &filter).await.unwrap()
+}
+
+/// Messages not yet sent (pending or dead).
+pub(crate) async fn unsent(store: &PgStore) -> u64 {
+    let mut conn = store.acquire().await.unwrap();
+    let stats = store.outbox_stats(&mut conn).await.unwrap();
+    stats.pending + stats.dead
+}
+
+/// Waits until at most `left` messages are unsent; fails after `within`. With the `rounds`
+/// of a relay in this process it looks again after each of the relay's rounds; without (a
+/// relay in another process, whose progress only the store shows) it polls the store.
+pub(crate) async fn until_unsent_at_most(
+    store: &PgStore,
+    left: u64,
+    within: Duration,
+    what: &str,
+    mut rounds: Option<watch::Receiver<Round>>,
+) -> u64 {
+    let deadline = Instant::now() + within;
+    loop {
+        let now_unsent = unsent(store).await;
+        if now_unsent <= left {
+            return now_unsent;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: still {now_unsent} unsent after {within:?}"
+        );
+        match rounds.as_mut() {
+            Some(rounds) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let _ = tokio::time::timeout(left, rounds.changed()).await;
+            }
+            None => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    }
 }

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, header};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::client::conn::http1::SendRequest;
 use idemkey_core::HEADER_NAME;
 use idemkey_fault_proxy::strip_hop_by_hop;
@@ -127,6 +127,19 @@ async fn forward_keyed<S: AppDb>(
                 }
                 return unreachable(&io::Error::other(error));
             }
+            Upstreamed::TooLarge => {
+                // The upstream answered, so it had the request: its effect may have happened.
+                tracing::warn!(
+                    limit = options.max_stored_response,
+                    "the upstream's answer is too large to store: the outcome is unknown"
+                );
+                op.outcome_unknown();
+                return IdempotencyRejection::ResponseTooLarge {
+                    limit: options.max_stored_response,
+                    status_url: Some(op.status_url().to_owned()),
+                }
+                .into_response();
+            }
             Upstreamed::Unknown(reason) => {
                 tracing::warn!(%reason, "sent upstream, no complete answer: the outcome is unknown");
                 op.outcome_unknown();
@@ -208,6 +221,8 @@ enum Upstreamed {
     Answer(http::response::Parts, Bytes),
     /// The connection had closed, and the request was handed back unwritten.
     NotSent(hyper::Error),
+    /// An answer came back, with a body larger than `--max-stored-response`.
+    TooLarge,
     /// The request was sent and no complete answer came back.
     Unknown(String),
 }
@@ -234,7 +249,10 @@ async fn exchange(
         let body = Limited::new(body, limit)
             .collect()
             .await
-            .map_err(|e| Upstreamed::Unknown(format!("reading the answer: {e}")))?
+            .map_err(|e| match e.downcast_ref::<LengthLimitError>() {
+                Some(_) => Upstreamed::TooLarge,
+                None => Upstreamed::Unknown(format!("reading the answer: {e}")),
+            })?
             .to_bytes();
         Ok((head, body))
     };

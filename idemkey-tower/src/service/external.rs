@@ -176,11 +176,16 @@ where
     let (decision, answer) = match after_effect(progress, &config.answers) {
         AfterEffect::Complete => match capture_outcome(response, &config).await {
             Ok(captured) => (AfterEffect::Complete, Answer::Captured(captured)),
-            // An answer that cannot be stored is known to this attempt only.
-            Err(rejection) => (
-                after_effect(nothing_back, &config.answers),
-                Answer::Plain(rejection.into_response()),
-            ),
+            // An answer that cannot be stored is known to this attempt only; the call went
+            // out, so the operation is left indeterminate and the answer links its status.
+            Err(_too_large) => {
+                let rejection = IdempotencyRejection::ResponseTooLarge {
+                    limit: config.max_stored_response,
+                    status_url: Some(status_url(&keyed.key)),
+                };
+                let decision = after_effect(nothing_back, &config.answers);
+                (decision, Answer::Plain(rejection.into_response()))
+            }
         },
         other => (other, Answer::Plain(response)),
     };

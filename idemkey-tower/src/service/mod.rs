@@ -6,10 +6,12 @@
 //! - [`external`]: external mode, the owner flow after a reservation (shared by
 //!   `idemkey gateway`, which is this mode plus a proxy handler);
 //! - [`stored`]: what is kept of an answer, and the replay;
+//! - [`coding`]: a stored body's content coding, and what a retry accepts;
 //! - [`body`]: bounded request bodies.
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -17,7 +19,7 @@ use axum::body::Body;
 use axum::extract::MatchedPath;
 use axum::response::{IntoResponse, Response};
 use futures::future::BoxFuture;
-use http::{HeaderValue, Method, Request, header};
+use http::{HeaderMap, HeaderValue, Method, Request, header};
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{
     Fingerprint, HEADER_NAME, IdempotencyKey, RecordId, RequestParts, Scope, Store, StoreError,
@@ -33,6 +35,7 @@ use crate::metrics::Outcome;
 use crate::{IdempotencyLayer, IdempotencyRejection, KeyRequirement, Tenant};
 
 mod body;
+mod coding;
 mod external;
 mod local;
 mod stored;
@@ -101,7 +104,7 @@ where
         }
     };
     match key {
-        Some(key) => Keyed::new(layer, key).run(inner, req).await,
+        Some(key) => Keyed::new(layer, key, req.headers()).run(inner, req).await,
         None if config.requirement == KeyRequirement::Required => {
             refused(&config, req, IdempotencyRejection::KeyMissing).await
         }
@@ -131,6 +134,21 @@ async fn refused(config: &Config, req: Request<Body>, rejection: IdempotencyReje
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     response
+}
+
+/// Warns, once per layer, that a keyed request came without a [`Tenant`]: every such
+/// caller shares one key space, so one caller's retry can be answered with another's
+/// stored response. A single-tenant service silences it by setting a `Tenant` itself.
+fn warn_untenanted(config: &Config, route: &str) {
+    if !config.warned_untenanted.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            route,
+            "a keyed request came without a Tenant extension: every caller without one \
+             shares the tenant \"{}\" and can be answered with another's stored response; \
+             set the authenticated caller's Tenant before the idempotency layer",
+            Tenant::DEFAULT
+        );
+    }
 }
 
 async fn call<I>(mut inner: I, req: Request<Body>) -> Response
@@ -164,6 +182,8 @@ struct Keyed<S> {
     layer: IdempotencyLayer<S>,
     config: Arc<Config>,
     key: IdempotencyKey,
+    /// The request's `Accept-Encoding` fields: the codings a replay may be sent in.
+    accept_encoding: Vec<HeaderValue>,
     started: Instant,
     /// The replay cache's generation before this request read the store: a fill from an
     /// older read is refused (see `crate::cache`).
@@ -171,13 +191,16 @@ struct Keyed<S> {
 }
 
 impl<S: Store> Keyed<S> {
-    fn new(layer: IdempotencyLayer<S>, key: IdempotencyKey) -> Self {
+    fn new(layer: IdempotencyLayer<S>, key: IdempotencyKey, headers: &HeaderMap) -> Self {
         let config = layer.config.clone();
         config.metrics.attempt();
         Self {
             layer,
             config,
             key,
+            accept_encoding: (headers.get_all(header::ACCEPT_ENCODING).iter())
+                .cloned()
+                .collect(),
             started: Instant::now(),
             ticket: crate::cache::Ticket::default(),
         }
@@ -208,7 +231,9 @@ impl<S: Store> Keyed<S> {
 
     /// The answer a record gives, as [`stored::answer_claim`] makes it.
     fn answer(&self, outcome: ClaimOutcome) -> Response {
-        let (outcome, response) = stored::answer_claim(outcome, &self.key, self.config.clock.now());
+        let now = self.config.clock.now();
+        let (outcome, response) =
+            stored::answer_claim(outcome, &self.key, now, &self.accept_encoding);
         self.finish(outcome, response)
     }
 
@@ -285,10 +310,13 @@ impl<S: Store> Keyed<S> {
             (None, Some(path)) => path.as_str().to_owned(),
             (None, None) => req.uri().path().to_owned(),
         };
-        let tenant = req
-            .extensions()
-            .get::<Tenant>()
-            .map_or_else(|| Tenant::DEFAULT.to_owned(), |t| t.0.clone());
+        let tenant = match req.extensions().get::<Tenant>() {
+            Some(tenant) => tenant.0.clone(),
+            None => {
+                warn_untenanted(&self.config, &route);
+                Tenant::DEFAULT.to_owned()
+            }
+        };
         let scope = Scope::new(tenant, req.method().as_str(), &route);
         let id = self.config.hasher.record_id(&scope, &self.key);
         let previous_id = (self.config.previous_hasher.as_ref())

@@ -8,6 +8,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use idemkey_core::protocol::ClaimOutcome;
 use idemkey_core::{IdempotencyKey, StoredResponse, Timestamp};
 
+use super::coding;
 use crate::layer::{Config, STATUS_PATH};
 use crate::{IdempotencyRejection, Outcome, RETRY_AFTER};
 
@@ -43,9 +44,12 @@ pub(super) async fn capture_outcome(
 ) -> Result<Captured, IdempotencyRejection> {
     let (head, body) = response.into_parts();
     let limit = config.max_stored_response;
-    let body = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| IdempotencyRejection::ResponseTooLarge { limit })?;
+    let body = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        IdempotencyRejection::ResponseTooLarge {
+            limit,
+            status_url: None,
+        }
+    })?;
     let stored = StoredResponse {
         status: head.status.as_u16(),
         headers: stored_headers(&head.headers, &config.stored_headers),
@@ -54,10 +58,17 @@ pub(super) async fn capture_outcome(
     Ok(Captured { head, body, stored })
 }
 
-/// The headers that are stored and replayed: `Content-Type`, `Location`, `ETag` and the
-/// route's own (`extra`).
+/// The headers that are stored and replayed: `Content-Type`, `Content-Encoding` (the body is
+/// stored as it was sent, compressed or not, and is never replayed without the coding that
+/// describes it), `Vary`, `Location`, `ETag`, and the route's own (`extra`).
 pub fn stored_headers(headers: &HeaderMap, extra: &[HeaderName]) -> Vec<(String, Vec<u8>)> {
-    let base = [header::CONTENT_TYPE, header::LOCATION, header::ETAG];
+    let base = [
+        header::CONTENT_TYPE,
+        header::CONTENT_ENCODING,
+        header::VARY,
+        header::LOCATION,
+        header::ETAG,
+    ];
     base.iter()
         .chain(extra)
         .flat_map(|name| {
@@ -73,17 +84,19 @@ pub fn stored_headers(headers: &HeaderMap, extra: &[HeaderName]) -> Vec<(String,
 /// `request-in-flight` (with `Retry-After` from the owner's lease) or 409 `outcome-unknown`,
 /// with the metrics outcome it counts as. Each answer given because a record was read carries
 /// that record's `Idempotency-Key-Expires`; an in-flight answer without a record in hand (the
-/// store's lock was not granted in time) carries none.
+/// store's lock was not granted in time) carries none. A replay is sent in a coding that
+/// `accept` (the retry's `Accept-Encoding` fields) takes.
 pub(super) fn answer_claim(
     outcome: ClaimOutcome,
     key: &IdempotencyKey,
     now: Timestamp,
+    accept: &[HeaderValue],
 ) -> (Outcome, Response) {
     let (outcome, mut response, expires_at) = match outcome {
         ClaimOutcome::Replay {
             response,
             expires_at,
-        } => return (Outcome::Replayed, replay(response, expires_at)),
+        } => return (Outcome::Replayed, replay(response, expires_at, accept)),
         ClaimOutcome::Mismatch {
             mismatch,
             expires_at,
@@ -126,12 +139,11 @@ pub(super) fn answer_claim(
     (outcome, response)
 }
 
-/// A replay of `stored`: its status, headers and body byte for byte, with
-/// `Idempotent-Replayed: true` and `Idempotency-Key-Expires`.
-fn replay(stored: StoredResponse, expires_at: Timestamp) -> Response {
-    let mut response = Response::new(Body::from(stored.body));
-    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
-    let headers = response.headers_mut();
+/// A replay of `stored`: its status, headers and body byte for byte (decoded when `accept`
+/// does not take its coding: [`coding::for_retry`]), with `Idempotent-Replayed: true` and
+/// `Idempotency-Key-Expires`.
+fn replay(stored: StoredResponse, expires_at: Timestamp, accept: &[HeaderValue]) -> Response {
+    let mut headers = HeaderMap::new();
     for (name, value) in stored.headers {
         if let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(name.as_bytes()),
@@ -140,8 +152,12 @@ fn replay(stored: StoredResponse, expires_at: Timestamp) -> Response {
             headers.append(name, value);
         }
     }
+    let body = coding::for_retry(&mut headers, stored.body, accept);
     headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
-    add_expiry(headers, expires_at);
+    add_expiry(&mut headers, expires_at);
+    let mut response = Response::new(body);
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    *response.headers_mut() = headers;
     response
 }
 
