@@ -476,7 +476,7 @@ pub struct GatewayArgs {
     /// What a retry gets while the first attempt is running.
     #[arg(long, value_enum, default_value_t = InFlight::Wait)]
     pub in_flight: InFlight,
-    /// How long a retry waits (polling the record) under --in-flight wait.
+    /// How long a retry waits for the first attempt under --in-flight wait.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     pub wait_timeout: Duration,
     /// How long a reservation is held without renewal (renewed every third of it).
@@ -506,13 +506,21 @@ pub struct GatewayArgs {
     /// How long outcomes are kept and replayed (e.g. 24h, 90m).
     #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
     pub retention: Duration,
-    /// An API key, as TENANT=TOKEN (repeatable). Without any, the tenant is a keyed hash of
-    /// the Authorization header.
+    /// An API key, as TENANT=TOKEN (repeatable): each request's tenant is its bearer
+    /// token's (401 without a known one). The gateway needs one tenant source: API keys,
+    /// --tenant-header or --single-tenant.
     #[arg(long = "api-key", value_parser = ApiKeys::parse_pair)]
     pub api_keys: Vec<(String, String)>,
     /// API keys as "t1=tok1,t2=tok2" (added to --api-key).
     #[arg(long, env = "IDEMKEY_API_KEYS", hide_env_values = true)]
     pub api_keys_env: Option<String>,
+    /// Each request's tenant is this header's value, set by an authenticating proxy in front
+    /// of the gateway, which must replace any value a caller sends (401 without it).
+    #[arg(long, value_name = "HEADER")]
+    pub tenant_header: Option<String>,
+    /// Every caller is this one tenant: only for an upstream that keeps no per-caller state.
+    #[arg(long, value_name = "TENANT")]
+    pub single_tenant: Option<String>,
     /// The secret keys are hashed and sealed with (PostgreSQL: required, unless
     /// --key-secret-in-database).
     #[command(flatten)]
@@ -521,8 +529,9 @@ pub struct GatewayArgs {
     /// the keys it protects. The default on SQLite (with a warning); PostgreSQL needs this flag.
     #[arg(long)]
     pub key_secret_in_database: bool,
-    /// Where the reconciler asks about an operation whose outcome is unknown; `{key}` is
-    /// replaced by the key, e.g. http://127.0.0.1:9000/v1/transfers?idempotency_key={key}.
+    /// Where the reconciler asks about an operation whose outcome is unknown; `{key}` and
+    /// `{tenant}` are replaced by the key and its tenant (also sent as Idemkey-Tenant), e.g.
+    /// http://127.0.0.1:9000/v1/transfers?idempotency_key={key}.
     #[arg(long, value_name = "TEMPLATE")]
     pub reconcile_url: Option<String>,
     /// How often the reconciler runs.
@@ -543,6 +552,15 @@ impl GatewayArgs {
     /// Every configured API key, from the flags and the environment.
     pub fn all_api_keys(&self) -> Result<ApiKeys, String> {
         all_api_keys(&self.api_keys, self.api_keys_env.as_deref())
+    }
+
+    /// The one tenant source the flags name.
+    pub fn tenant_source(&self) -> Result<crate::gateway::TenantSource, String> {
+        crate::gateway::TenantSource::from_flags(
+            self.all_api_keys()?,
+            self.tenant_header.as_deref(),
+            self.single_tenant.as_deref(),
+        )
     }
 }
 

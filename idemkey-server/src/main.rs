@@ -251,7 +251,7 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
         max_request_body: args.max_request_body,
         max_stored_response: args.max_stored_response,
         retention: args.retention,
-        api_keys: args.all_api_keys().map_err(anyhow::Error::msg)?,
+        tenants: args.tenant_source().map_err(anyhow::Error::msg)?,
         database_url: args.database_url.clone(),
         secret: args.secret.clone(),
         key_secret_in_database: args.key_secret_in_database,

@@ -12,6 +12,9 @@ use idemkey_core::problem::{self, PROBLEM_JSON};
 pub(crate) enum ApiError {
     /// No or an unknown bearer token.
     Unauthorized,
+    /// The gateway's tenant header is missing (or not a single, valid tenant): the request
+    /// did not come through the authenticating proxy.
+    Unauthenticated,
     /// The request body or query is not valid; nothing was done.
     InvalidRequest(Vec<String>),
     /// The payment was declined (stored and replayed like any outcome).
@@ -34,6 +37,11 @@ impl IntoResponse for ApiError {
             Self::Unauthorized => (
                 &problem::UNAUTHORIZED,
                 "a valid `Authorization: Bearer <token>` header is required".to_owned(),
+                None,
+            ),
+            Self::Unauthenticated => (
+                &problem::UNAUTHORIZED,
+                "the request carries no authenticated tenant".to_owned(),
                 None,
             ),
             Self::InvalidRequest(errors) => {

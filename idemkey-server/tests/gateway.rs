@@ -6,7 +6,10 @@
 //! `Idempotency-Key`, *before* it answers (the effect happens even when its answer is lost),
 //! and can be told, per key, to answer late, to close the connection after the effect, or
 //! to close it before any effect. `GET /v1/transfers?idempotency_key=K` answers 200 with the
-//! transfer when it exists and 404 otherwise: what the reconciler asks.
+//! transfer when it exists and 404 otherwise (503 for keys starting `unsettled-`, which it
+//! never knows): what the reconciler asks. `GET /v1/tenants/T/transfers?idempotency_key=K`
+//! answers the same for tenant `T` only (as the authenticating proxy's header named it when
+//! the transfer was made, and as `Idemkey-Tenant` names it now).
 
 mod common;
 
@@ -21,7 +24,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use futures::future::join_all;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
@@ -31,6 +34,8 @@ use common::gateway::{Gateway, serve_on_own_thread};
 const TOKEN: &str = "tok1";
 const TENANT: &str = "t1";
 const TRANSFERS: &str = "/v1/transfers";
+/// The header the authenticating proxy in front of a `--tenant-header` gateway sets.
+const TENANT_HEADER: &str = "x-authenticated-tenant";
 
 // ---------------------------------------------------------------------------------------
 // The upstream.
@@ -73,6 +78,8 @@ struct Ledger {
     effects: HashMap<String, u32>,
     /// The transfer made for each key.
     transfers: HashMap<String, Value>,
+    /// The tenant header of the request that made each key's transfer, when it had one.
+    tenants: HashMap<String, String>,
     /// Per key: what to do with its next request (used once).
     next: HashMap<String, Behaviour>,
     /// Requests that reached the upstream, by method and path.
@@ -95,6 +102,7 @@ impl Upstream {
         let addr = serve_on_own_thread(
             Router::new()
                 .route(TRANSFERS, post(create).get(lookup))
+                .route("/v1/tenants/{tenant}/transfers", get(tenant_lookup))
                 .fallback(other)
                 .with_state(ledger.clone()),
         );
@@ -166,6 +174,14 @@ impl Upstream {
     fn reconcile_url(&self) -> String {
         format!("{}{TRANSFERS}?idempotency_key={{key}}", self.base)
     }
+
+    /// The reconciler's URL template that names the tenant.
+    fn tenant_reconcile_url(&self) -> String {
+        format!(
+            "{}/v1/tenants/{{tenant}}/transfers?idempotency_key={{key}}",
+            self.base
+        )
+    }
 }
 
 type Shared = Arc<Mutex<Ledger>>;
@@ -210,6 +226,9 @@ async fn create(State(ledger): State<Shared>, headers: HeaderMap, body: Bytes) -
             "request": request,
         });
         ledger.transfers.insert(key.clone(), transfer.clone());
+        if let Some(tenant) = headers.get(TENANT_HEADER).and_then(|v| v.to_str().ok()) {
+            ledger.tenants.insert(key.clone(), tenant.to_owned());
+        }
         (behaviour, transfer)
     };
     // The upstream finishes its work even when the caller hangs up (its own task).
@@ -250,10 +269,34 @@ async fn lookup(
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
     let key = q.get("idempotency_key").cloned().unwrap_or_default();
+    if key.starts_with("unsettled-") {
+        return (StatusCode::SERVICE_UNAVAILABLE, "not known yet").into_response();
+    }
     let ledger = ledger.lock().unwrap();
     match ledger.transfers.get(&key) {
         Some(transfer) => (StatusCode::OK, axum::Json(transfer.clone())).into_response(),
         None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+/// The lookup of one tenant's transfer: 200 only when `tenant` made it, asked as that
+/// tenant (`Idemkey-Tenant`); 404 otherwise.
+async fn tenant_lookup(
+    State(ledger): State<Shared>,
+    axum::extract::Path(tenant): axum::extract::Path<String>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let key = q.get("idempotency_key").cloned().unwrap_or_default();
+    let asked_as = headers.get("idemkey-tenant").and_then(|v| v.to_str().ok());
+    let ledger = ledger.lock().unwrap();
+    match ledger.transfers.get(&key) {
+        Some(transfer)
+            if ledger.tenants.get(&key) == Some(&tenant) && asked_as == Some(&tenant) =>
+        {
+            (StatusCode::OK, axum::Json(transfer.clone())).into_response()
+        }
+        _ => StatusCode::NOT_FOUND.into_response(),
     }
 }
 
@@ -290,6 +333,13 @@ impl Db {
     /// Starts `idemkey gateway` on this database in front of `upstream`, with tenant `t1`.
     async fn gateway(&self, upstream: &str, extra: &[&str]) -> Gateway {
         Gateway::start(&self.url, upstream, self.dir.path(), extra).await
+    }
+
+    /// Starts `idemkey gateway` on this database in front of `upstream`, its tenants from
+    /// the authenticating proxy's header, with `extra` flags.
+    async fn gateway_behind_proxy(&self, upstream: &str, extra: &[&str]) -> Gateway {
+        let flags = [&["--tenant-header", TENANT_HEADER][..], extra].concat();
+        Gateway::start_with(&self.url, upstream, self.dir.path(), &flags).await
     }
 
     /// Runs `idemkey keys …` on this database; returns (success, stdout, stderr).
@@ -378,17 +428,30 @@ impl Client {
         read(response).await
     }
 
-    async fn transfer_as(&self, authorization: Option<&str>, key: &str) -> Answer {
+    /// A transfer as the authenticating proxy passes it on: with each of `tenants` as the
+    /// tenant header (none, one, or several).
+    async fn transfer_in(&self, tenants: &[&str], key: &str, amount: i64) -> Answer {
         let mut request = self
             .http
             .post(format!("{}{TRANSFERS}", self.base))
             .header("idempotency-key", key)
             .header("content-type", "application/json")
-            .body("{\"amount\":1}");
-        if let Some(value) = authorization {
-            request = request.header("authorization", value);
+            .body(json!({ "amount": amount, "to": "acct-9" }).to_string());
+        for tenant in tenants {
+            request = request.header(TENANT_HEADER, *tenant);
         }
         read(request.send().await.expect("POST"))
+            .await
+            .expect("body")
+    }
+
+    /// A GET as the authenticating proxy passes it on for `tenant` (none: without the header).
+    async fn get_in(&self, tenant: Option<&str>, path: &str) -> Answer {
+        let mut request = self.http.get(format!("{}{path}", self.base));
+        if let Some(tenant) = tenant {
+            request = request.header(TENANT_HEADER, tenant);
+        }
+        read(request.send().await.expect("GET"))
             .await
             .expect("body")
     }
@@ -992,41 +1055,331 @@ async fn unkeyed_requests_pass_through() {
     assert_eq!(c.get("/healthz").await.status, 200);
 }
 
-/// Without API keys the tenant is a keyed hash of the Authorization header: the same key
-/// under two credentials is two operations, under one credential one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tenants_from_credentials_without_api_keys() {
-    let upstream = Upstream::start();
-    let db = Db::sqlite();
-    let args = [
+/// Runs `idemkey ARGS` until it exits (it must); returns (success, stderr).
+fn run_idemkey(args: &[&str]) -> (bool, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_idemkey"))
+        .args(args)
+        .env_remove("IDEMKEY_API_KEYS")
+        .env_remove("IDEMKEY_KEY_SECRET")
+        .env_remove("IDEMKEY_DATABASE_URL")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run idemkey");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Without a tenant source the gateway does not start, and says how to name one; so it
+/// does with two sources, or with a header that carries credentials. Nothing is created.
+#[test]
+fn refuses_to_start_without_one_tenant_source() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let db = dir.path().join("gateway.db");
+    let url = format!("sqlite:{}", db.display());
+    let base = [
         "gateway",
         "--listen",
         "127.0.0.1:0",
-        "--database-url",
-        &db.url,
         "--upstream",
+        "http://127.0.0.1:9",
+        "--database-url",
+        &url,
     ];
-    let mut args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
-    args.push(upstream.base.clone());
-    let log = db.dir.path().join("no-keys.log");
-    let gw = tokio::task::spawn_blocking(move || Gateway::spawn(args, log))
-        .await
-        .expect("spawn");
+    let (ok, err) = run_idemkey(&base);
+    assert!(!ok, "started without a tenant source");
+    for way in [
+        "--api-key",
+        "IDEMKEY_API_KEYS",
+        "--tenant-header",
+        "--single-tenant",
+    ] {
+        assert!(err.contains(way), "{way}: {err}");
+    }
+    let (ok, err) = run_idemkey(
+        &[
+            &base[..],
+            &["--api-key", "t1=tok1", "--single-tenant", "all"],
+        ]
+        .concat(),
+    );
+    assert!(!ok);
+    assert!(err.contains("one tenant source only"), "{err}");
+    let (ok, err) = run_idemkey(&[&base[..], &["--tenant-header", "Authorization"]].concat());
+    assert!(!ok);
+    assert!(err.contains("carries a credential"), "{err}");
+    let (ok, err) = run_idemkey(&[&base[..], &["--single-tenant", " "]].concat());
+    assert!(!ok);
+    assert!(err.contains("--single-tenant"), "{err}");
+    assert!(!db.exists(), "a refused start creates no database");
+}
+
+/// Behind an authenticating proxy (`--tenant-header`): two tenants sending the same key get
+/// their own operations and outcomes; one cannot read the other's status resource, nor learn
+/// from a 422 where the other's request differs; a request without the header (or with two)
+/// is refused with 401 and forwarded nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_from_the_proxy_header() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db.gateway_behind_proxy(&upstream.base, &[]).await;
     let c = client_of(&gw);
-    let a = c.transfer_as(Some("Bearer alice"), "shared").await;
-    let b = c.transfer_as(Some("Bearer bob"), "shared").await;
-    let none = c.transfer_as(None, "shared").await;
-    let again = c.transfer_as(Some("Bearer alice"), "shared").await;
-    for answer in [&a, &b, &none] {
+    let alice = c.transfer_in(&["alice"], "shared", 1).await;
+    let bob = c.transfer_in(&["bob"], "shared", 1).await;
+    for answer in [&alice, &bob] {
         assert_eq!(answer.status, 201, "{}", answer.text());
         assert!(!answer.replayed());
     }
-    assert!(again.replayed());
-    assert_eq!(again.body, a.body);
+    assert_ne!(alice.json()["id"], bob.json()["id"], "two operations");
+    let alice_again = c.transfer_in(&["alice"], "shared", 1).await;
+    let bob_again = c.transfer_in(&["bob"], "shared", 1).await;
+    assert!(alice_again.replayed() && bob_again.replayed());
+    assert_eq!(alice_again.body, alice.body, "alice gets her own outcome");
+    assert_eq!(bob_again.body, bob.body, "bob gets his own outcome");
+    assert_eq!(upstream.effects("shared"), 2);
+
+    // Alice's key, reused by bob with another body: bob's own operation, not alice's 422.
+    c.transfer_in(&["alice"], "alice-only", 1).await;
+    let mismatched = c.transfer_in(&["alice"], "alice-only", 2).await;
+    mismatched.assert_problem(422, "key-reused");
+    let bobs = c.transfer_in(&["bob"], "alice-only", 2).await;
+    assert_eq!(bobs.status, 201, "{}", bobs.text());
+    assert!(!bobs.replayed());
+    assert!(!bobs.text().contains("pointer"), "{}", bobs.text());
+
+    c.transfer_in(&["alice"], "alice-private", 1).await;
+    let status = "/idempotency/v1/keys/alice-private";
+    assert_eq!(c.get_in(Some("alice"), status).await.status, 200);
+    let foreign = c.get_in(Some("bob"), status).await;
+    assert_eq!(foreign.status, 404, "{}", foreign.text());
+
+    let before = upstream.requests().len();
+    c.transfer_in(&[], "shared", 1)
+        .await
+        .assert_problem(401, "unauthorized");
+    c.transfer_in(&["alice", "bob"], "shared", 1)
+        .await
+        .assert_problem(401, "unauthorized");
+    c.transfer_in(&[""], "shared", 1)
+        .await
+        .assert_problem(401, "unauthorized");
+    c.get_in(None, status)
+        .await
+        .assert_problem(401, "unauthorized");
+    assert_eq!(upstream.requests().len(), before, "nothing was forwarded");
+    assert_eq!(upstream.effects("shared"), 2);
+}
+
+/// The reconciler names the record's tenant (`{tenant}` in the URL, `Idemkey-Tenant`), so
+/// an upstream answers for that tenant's operation only: the same key left unknown under two
+/// tenants settles as each tenant's own, never as the other's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_asks_for_the_records_tenant() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db.gateway_behind_proxy(&upstream.base, &[]).await;
+    upstream.on_next("both", Behaviour::DropAfterEffect);
+    client_of(&gw)
+        .transfer_in(&["alice"], "both", 1)
+        .await
+        .assert_problem(504, "upstream-outcome-unknown");
+    upstream.on_next("both", Behaviour::DropBeforeEffect);
+    client_of(&gw)
+        .transfer_in(&["bob"], "both", 1)
+        .await
+        .assert_problem(504, "upstream-outcome-unknown");
+    assert_eq!(upstream.effects("both"), 1, "alice's effect only");
+    drop(gw);
+
+    let url = upstream.tenant_reconcile_url();
+    let args = ["--reconcile-url", &url, "--reconcile-interval", "200ms"];
+    let reconciling = db.gateway_behind_proxy(&upstream.base, &args).await;
+    let c = client_of(&reconciling);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // Each tenant's first answer that is not a 409.
+    let (mut alice, mut bob) = (None, None);
+    while alice.is_none() || bob.is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "never reconciled: {alice:?} {bob:?}"
+        );
+        for (tenant, settled) in [("alice", &mut alice), ("bob", &mut bob)] {
+            if settled.is_none() {
+                let answer = c.transfer_in(&[tenant], "both", 1).await;
+                *settled = (answer.status != 409).then_some(answer);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (alice, bob) = (alice.expect("alice"), bob.expect("bob"));
     assert_eq!(
-        upstream.effects("shared"),
-        3,
-        "three tenants, three operations"
+        alice.status,
+        200,
+        "alice's operation happened: {}",
+        alice.text()
+    );
+    assert!(alice.replayed());
+    assert_eq!(alice.json()["id"], "tr_1");
+    assert_eq!(
+        bob.status,
+        201,
+        "bob's did not: released, then executed: {}",
+        bob.text()
+    );
+    assert!(!bob.replayed());
+    assert_ne!(bob.json()["id"], "tr_1", "never alice's outcome");
+    assert_eq!(upstream.effects("both"), 2);
+}
+
+/// More than a round's worth of newer records the upstream cannot settle do not starve an
+/// older one: the reconciler works oldest first and puts off what it could not settle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_unknown_outcome_is_settled_behind_many_newer_ones() {
+    const NEWER: usize = 120;
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db.gateway(&upstream.base, &[]).await;
+    upstream.on_next("old", Behaviour::DropAfterEffect);
+    client_of(&gw)
+        .transfer("old", 1)
+        .await
+        .assert_problem(504, "upstream-outcome-unknown");
+    let limit = Arc::new(Semaphore::new(8));
+    let newer = (0..NEWER).map(|i| {
+        let (client, limit, upstream) = (client_of(&gw), limit.clone(), upstream.clone());
+        async move {
+            let _permit = limit.acquire().await.expect("semaphore");
+            let key = format!("unsettled-{i}");
+            upstream.on_next(&key, Behaviour::Fail(500));
+            client.transfer(&key, 1).await
+        }
+    });
+    for answer in join_all(newer).await {
+        assert_eq!(answer.status, 500, "{}", answer.text());
+    }
+    drop(gw);
+
+    let reconciling = reconciling_gateway(&db, &upstream).await;
+    let c = client_of(&reconciling);
+    let answer = until_reconciled(&c, "old", 1).await;
+    assert_eq!(
+        answer.status,
+        200,
+        "the old record was settled: {}",
+        answer.text()
+    );
+    assert!(answer.replayed());
+    assert_eq!(upstream.effects("old"), 1);
+    c.transfer("unsettled-0", 1)
+        .await
+        .assert_problem(409, "outcome-unknown");
+}
+
+/// What the reconciler logs names a record by its key id: not the raw key, not the reconcile
+/// URL that holds it (an upstream that does not answer puts the URL in its error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_logs_no_raw_key() {
+    const KEY: &str = "raw-key-7f3a9c-must-not-be-logged";
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db.gateway(&upstream.base, &[]).await;
+    upstream.on_next(KEY, Behaviour::DropBeforeEffect);
+    client_of(&gw)
+        .transfer(KEY, 1)
+        .await
+        .assert_problem(504, "upstream-outcome-unknown");
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        format!("http://{}", listener.local_addr().expect("addr"))
+    }; // closed here: the reconciler's connections are refused
+    let url = format!("{closed}/v1/lookup?idempotency_key={{key}}");
+    let args = ["--reconcile-url", &url, "--reconcile-interval", "200ms"];
+    let reconciling = db.gateway(&upstream.base, &args).await;
+    let c = client_of(&reconciling);
+    let series = "idemkey_reconciled_total{result=\"still_unknown\"}";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.metric(series).await == 0 {
+        assert!(Instant::now() < deadline, "the reconciler never asked");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let log = reconciling.log_text();
+    assert!(log.contains("the upstream did not answer"), "{log}");
+    for log in [log, gw.log_text()] {
+        assert!(!log.contains(KEY), "the raw key is logged:\n{log}");
+    }
+}
+
+/// The reconciler reads no more of an answer than it may store: a reconcile URL that
+/// answers 200 with an endless body leaves the record unknown, and the reconciler stops
+/// reading (the upstream sees its body dropped) instead of reading until the time-out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_reads_no_more_than_it_may_store() {
+    /// Sets its flag when dropped: the endless body was let go.
+    struct Dropped(Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = db.gateway(&upstream.base, &[]).await;
+    upstream.on_next("endless", Behaviour::DropBeforeEffect);
+    client_of(&gw)
+        .transfer("endless", 1)
+        .await
+        .assert_problem(504, "upstream-outcome-unknown");
+    drop(gw);
+
+    let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = dropped.clone();
+    let endless = serve_on_own_thread(Router::new().route(
+        "/lookup",
+        get(move || {
+            let guard = Dropped(flag.clone());
+            async move {
+                let chunks = futures::stream::unfold(guard, |guard| async move {
+                    Some((
+                        Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; 16 * 1024])),
+                        guard,
+                    ))
+                });
+                (StatusCode::OK, Body::from_stream(chunks))
+            }
+        }),
+    ));
+    let url = format!("http://{endless}/lookup?idempotency_key={{key}}");
+    let args = [
+        "--reconcile-url",
+        &url,
+        "--reconcile-interval",
+        "200ms",
+        "--max-stored-response",
+        "64KiB",
+        "--upstream-timeout",
+        "120s",
+    ];
+    let reconciling = db.gateway(&upstream.base, &args).await;
+    let c = client_of(&reconciling);
+    let series = "idemkey_reconciled_total{result=\"still_unknown\"}";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.metric(series).await == 0 || !dropped.load(Ordering::SeqCst) {
+        assert!(
+            Instant::now() < deadline,
+            "the reconciler is still reading the endless answer"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    c.transfer("endless", 1)
+        .await
+        .assert_problem(409, "outcome-unknown");
+    assert!(
+        reconciling
+            .log_text()
+            .contains("over --max-stored-response"),
+        "{}",
+        reconciling.log_text()
     );
 }
 

@@ -3,10 +3,11 @@
 //!
 //! Without this, every duplicate of a request in flight opens a transaction and waits on
 //! the owner's row lock (PostgreSQL) or the write lock (SQLite), each holding a pooled
-//! connection: a retry storm on one key drains the pool and slows every other key. With it,
-//! a process sends at most one attempt per record to the store at a time; when that attempt
-//! ends, the next one finds its answer in the replay cache (or claims, if the first stored
-//! nothing).
+//! connection (local mode), or reads the reservation again and again until its owner is
+//! done (external mode): a retry storm on one key drains the pool and slows every other
+//! key. With it, a process sends at most one attempt per record to the store at a time;
+//! when that attempt ends (in external mode: once the owner's outcome is written), the next
+//! one finds its answer in the replay cache (or claims, if the first stored nothing).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

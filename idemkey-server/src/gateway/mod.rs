@@ -1,6 +1,9 @@
 //! `idemkey gateway`: a reverse proxy that puts the idempotency contract in front of any
 //! HTTP service, for effects that cannot share a transaction with the record.
 //!
+//! Each request's tenant comes from the one source the operator names ([`TenantSource`]):
+//! API keys, a header set by an authenticating proxy in front, or one tenant for all.
+//!
 //! The gateway is the layer's external mode ([`IdempotencyLayer::external`](idemkey_tower::IdempotencyLayer::external)) with a proxy
 //! handler: a keyed request is reserved with a lease, renewed while the upstream works; the
 //! point of no return is passed once a connection to the upstream is open, just before the
@@ -148,6 +151,116 @@ impl RouteRule {
     }
 }
 
+/// The longest tenant name a header or `--single-tenant` may give.
+const MAX_TENANT_LEN: usize = 255;
+
+/// Headers that carry credentials or the key: a tenant taken from one would be stored and
+/// shown in clear.
+const NOT_TENANT_HEADERS: [header::HeaderName; 4] = [
+    header::AUTHORIZATION,
+    header::PROXY_AUTHORIZATION,
+    header::COOKIE,
+    header::HeaderName::from_static("idempotency-key"),
+];
+
+/// Where the gateway takes each request's tenant from: always a source the operator named,
+/// never a default shared by every caller.
+#[derive(Debug, Clone)]
+pub enum TenantSource {
+    /// `--api-key`: the tenant of the request's bearer token; 401 without a known token.
+    ApiKeys(ApiKeys),
+    /// `--tenant-header NAME`: the value of a header that an authenticating proxy in front
+    /// of the gateway sets on every request, replacing whatever a caller sent; 401 without
+    /// it (or with more than one, or with an empty or overlong value).
+    Header(header::HeaderName),
+    /// `--single-tenant NAME`: every caller is this one tenant, for an upstream that keeps
+    /// no per-caller state.
+    Single(String),
+}
+
+impl TenantSource {
+    /// The one source the flags name: API keys (`api_keys`, none when empty), a header, or
+    /// a single tenant. Naming none or several is an error that says how to name one.
+    pub fn from_flags(
+        api_keys: ApiKeys,
+        tenant_header: Option<&str>,
+        single: Option<&str>,
+    ) -> Result<Self, String> {
+        let named = [
+            !api_keys.is_empty(),
+            tenant_header.is_some(),
+            single.is_some(),
+        ];
+        match named.iter().filter(|n| **n).count() {
+            0 => {
+                return Err(
+                    "the gateway needs to know where each request's tenant comes from: \
+                    give API keys (--api-key TENANT=TOKEN or IDEMKEY_API_KEYS), or \
+                    --tenant-header NAME (a header an authenticating proxy in front sets), or \
+                    --single-tenant NAME (one tenant for every caller, only for an upstream \
+                    without per-caller state)"
+                        .to_owned(),
+                );
+            }
+            1 => {}
+            _ => {
+                return Err("name one tenant source only: API keys (--api-key, \
+                    IDEMKEY_API_KEYS), --tenant-header or --single-tenant"
+                    .to_owned());
+            }
+        }
+        if let Some(name) = tenant_header {
+            let name = header::HeaderName::from_bytes(name.trim().as_bytes())
+                .map_err(|_| format!("--tenant-header {name:?} is not a header name"))?;
+            if NOT_TENANT_HEADERS.contains(&name) {
+                return Err(format!(
+                    "--tenant-header {name}: that header carries a credential or the key, and a \
+                     tenant is stored and shown in clear; name the header the proxy sets"
+                ));
+            }
+            return Ok(Self::Header(name));
+        }
+        if let Some(name) = single {
+            return valid_tenant(name)
+                .map(Self::Single)
+                .ok_or_else(|| format!("--single-tenant {name:?}: {TENANT_RULE}"));
+        }
+        Ok(Self::ApiKeys(api_keys))
+    }
+
+    /// The tenant of a request with these headers, or the rejection (401).
+    fn tenant_of(&self, headers: &http::HeaderMap) -> Result<String, ApiError> {
+        match self {
+            Self::ApiKeys(keys) => headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .and_then(|token| keys.tenant(token.trim()))
+                .map(str::to_owned)
+                .ok_or(ApiError::Unauthorized),
+            Self::Header(name) => {
+                let mut values = headers.get_all(name).iter();
+                match (values.next(), values.next()) {
+                    (Some(value), None) => value.to_str().ok().and_then(valid_tenant),
+                    _ => None,
+                }
+                .ok_or(ApiError::Unauthenticated)
+            }
+            Self::Single(tenant) => Ok(tenant.clone()),
+        }
+    }
+}
+
+/// What a tenant name from a header or `--single-tenant` must be.
+const TENANT_RULE: &str = "a tenant is 1 to 255 printable ASCII characters";
+
+/// `name` trimmed, if it is a tenant name ([`TENANT_RULE`]).
+fn valid_tenant(name: &str) -> Option<String> {
+    let name = name.trim();
+    let visible = name.bytes().all(|b| b.is_ascii_graphic() || b == b' ');
+    (!name.is_empty() && name.len() <= MAX_TENANT_LEN && visible).then(|| name.to_owned())
+}
+
 /// Options of `idemkey gateway`.
 #[derive(Debug, Clone)]
 pub struct GatewayOptions {
@@ -177,15 +290,16 @@ pub struct GatewayOptions {
     pub max_stored_response: usize,
     /// How long outcomes are kept.
     pub retention: Duration,
-    /// Bearer token → tenant; when empty, the tenant is a keyed hash of `Authorization`.
-    pub api_keys: ApiKeys,
+    /// Where each request's tenant comes from.
+    pub tenants: TenantSource,
     /// The database URL, as messages name it.
     pub database_url: String,
     /// The key secret (and the previous one); without one, see `key_secret_in_database`.
     pub secret: KeySecretArgs,
     /// Keep a secret in the database when none is given (SQLite does so by default).
     pub key_secret_in_database: bool,
-    /// The reconciler's URL template (`{key}` is replaced by the percent-encoded key).
+    /// The reconciler's URL template (`{key}` and `{tenant}` are replaced by the
+    /// percent-encoded key and tenant).
     pub reconcile_url: Option<String>,
     /// How often the reconciler runs.
     pub reconcile_interval: Duration,
@@ -238,29 +352,19 @@ impl<S> std::ops::Deref for Gateway<S> {
     }
 }
 
-/// The tenant: from the bearer token when API keys are configured (401 otherwise), else a
-/// keyed hash of the whole `Authorization` header (`anonymous` without one).
+/// The tenant of every request, from the source the operator named (401 without one).
 async fn authenticate<S: AppDb>(
     State(gw): State<Gateway<S>>,
     mut req: Request,
     next: Next,
 ) -> Response {
-    let authorization = req.headers().get(header::AUTHORIZATION);
-    let tenant = if gw.options().api_keys.is_empty() {
-        gw.sealer
-            .tenant_of(authorization.map(http::HeaderValue::as_bytes))
-    } else {
-        let tenant = authorization
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .and_then(|token| gw.options().api_keys.tenant(token.trim()));
-        match tenant {
-            Some(t) => t.to_owned(),
-            None => return ApiError::Unauthorized.into_response(),
+    match gw.options().tenants.tenant_of(req.headers()) {
+        Ok(tenant) => {
+            req.extensions_mut().insert(Tenant(tenant));
+            next.run(req).await
         }
-    };
-    req.extensions_mut().insert(Tenant(tenant));
-    next.run(req).await
+        Err(rejection) => rejection.into_response(),
+    }
 }
 
 fn router<S: AppDb>(gw: Gateway<S>) -> Router {
@@ -366,6 +470,7 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
             gw.clone(),
             template,
             options.reconcile_interval,
+            Arc::new(SystemClock),
         ))
     });
     http_server::run(listener, router(gw), options.limits, shutdown_signal()).await;
@@ -416,6 +521,49 @@ mod tests {
         assert!(RouteRule::parse("POST", KeyRequirement::Required, "").is_err());
         assert!(RouteRule::parse("POST /a*b", KeyRequirement::Required, "").is_err());
         assert!(RouteRule::parse("POST v1", KeyRequirement::Required, "").is_err());
+    }
+
+    #[test]
+    fn tenant_sources() {
+        use http::HeaderMap;
+        let keys = ApiKeys::new([("acme".to_owned(), "tok".to_owned())]);
+        let none = TenantSource::from_flags(ApiKeys::default(), None, None).unwrap_err();
+        assert!(none.contains("--tenant-header"), "{none}");
+        assert!(TenantSource::from_flags(keys.clone(), Some("X-Tenant"), None).is_err());
+        assert!(TenantSource::from_flags(ApiKeys::default(), Some("a b"), None).is_err());
+        assert!(TenantSource::from_flags(ApiKeys::default(), Some("cookie"), None).is_err());
+        assert!(TenantSource::from_flags(ApiKeys::default(), None, Some("")).is_err());
+        let by_header =
+            TenantSource::from_flags(ApiKeys::default(), Some("X-Tenant"), None).unwrap();
+        fn tenant(source: &TenantSource, pairs: &[(&str, &str)]) -> Option<String> {
+            let mut headers = HeaderMap::new();
+            for (name, value) in pairs {
+                let name = header::HeaderName::from_bytes(name.as_bytes()).unwrap();
+                headers.append(name, value.parse().unwrap());
+            }
+            source.tenant_of(&headers).ok()
+        }
+        assert_eq!(
+            tenant(&by_header, &[("x-tenant", " acme ")]).as_deref(),
+            Some("acme")
+        );
+        assert_eq!(tenant(&by_header, &[]), None);
+        assert_eq!(tenant(&by_header, &[("x-tenant", "")]), None);
+        assert_eq!(
+            tenant(&by_header, &[("x-tenant", "a"), ("x-tenant", "b")]),
+            None
+        );
+        let overlong = "t".repeat(256);
+        assert_eq!(tenant(&by_header, &[("x-tenant", &overlong)]), None);
+        let by_key = TenantSource::from_flags(keys, None, None).unwrap();
+        assert_eq!(
+            tenant(&by_key, &[("authorization", "Bearer tok")]).as_deref(),
+            Some("acme")
+        );
+        assert_eq!(tenant(&by_key, &[("authorization", "Bearer other")]), None);
+        assert_eq!(tenant(&by_key, &[("x-tenant", "acme")]), None);
+        let single = TenantSource::from_flags(ApiKeys::default(), None, Some("all")).unwrap();
+        assert_eq!(tenant(&single, &[]).as_deref(), Some("all"));
     }
 
     #[test]

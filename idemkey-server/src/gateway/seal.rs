@@ -1,4 +1,4 @@
-//! Sealing raw keys for the reconciler, and the tenant of unauthenticated deployments.
+//! Sealing raw keys for the reconciler.
 //!
 //! Records store a keyed hash of the key, which a reconciler cannot ask the upstream about.
 //! External-mode records therefore also keep the key sealed with ChaCha20-Poly1305 under a
@@ -24,7 +24,6 @@ fn mac(secret: &[u8]) -> HmacSha256 {
 #[derive(Clone)]
 pub(crate) struct KeySealer {
     cipher: ChaCha20Poly1305,
-    tenant_mac: HmacSha256,
 }
 
 impl std::fmt::Debug for KeySealer {
@@ -41,7 +40,6 @@ impl KeySealer {
         let key = derive.finalize().into_bytes();
         Self {
             cipher: ChaCha20Poly1305::new(Key::from_slice(&key)),
-            tenant_mac: mac(secret),
         }
     }
 
@@ -83,21 +81,6 @@ impl KeySealer {
             .ok()?;
         String::from_utf8(plain).ok()
     }
-
-    /// The tenant of a request when no API keys are configured: `auth-` and 16 hex digits of
-    /// `HMAC-SHA256(secret, "idemkey tenant v1" ‖ Authorization)`, or `anonymous` without the
-    /// header. Callers with different credentials never share keys; the credential itself is
-    /// not stored.
-    pub(crate) fn tenant_of(&self, authorization: Option<&[u8]>) -> String {
-        let Some(header) = authorization else {
-            return "anonymous".to_owned();
-        };
-        let mut mac = self.tenant_mac.clone();
-        mac.update(b"idemkey tenant v1");
-        mac.update(header);
-        let digest = mac.finalize().into_bytes();
-        format!("auth-{}", hex::encode(&digest[..8]))
-    }
 }
 
 #[cfg(test)]
@@ -121,16 +104,5 @@ mod tests {
             sealed,
             "fresh nonce each time"
         );
-    }
-
-    #[test]
-    fn tenants_from_credentials() {
-        let sealer = KeySealer::new(b"secret");
-        assert_eq!(sealer.tenant_of(None), "anonymous");
-        let a = sealer.tenant_of(Some(b"Bearer a"));
-        assert!(a.starts_with("auth-") && a.len() == 21, "{a}");
-        assert_eq!(a, sealer.tenant_of(Some(b"Bearer a")));
-        assert_ne!(a, sealer.tenant_of(Some(b"Bearer b")));
-        assert_ne!(a, KeySealer::new(b"other").tenant_of(Some(b"Bearer a")));
     }
 }

@@ -282,6 +282,18 @@ impl Gateway {
         dir: &std::path::Path,
         extra: &[&str],
     ) -> Self {
+        let args = [&["--api-key", "t1=tok1"][..], extra].concat();
+        Self::start_with(database_url, upstream, dir, &args).await
+    }
+
+    /// Starts `idemkey gateway` on `database_url` in front of `upstream` with `flags` only
+    /// (a tenant source among them); returns once it listens. Logs go to `dir`.
+    pub(crate) async fn start_with(
+        database_url: &str,
+        upstream: &str,
+        dir: &std::path::Path,
+        flags: &[&str],
+    ) -> Self {
         static STARTED: AtomicUsize = AtomicUsize::new(0);
         let mut args: Vec<String> = [
             "gateway",
@@ -291,13 +303,11 @@ impl Gateway {
             database_url,
             "--upstream",
             upstream,
-            "--api-key",
-            "t1=tok1",
         ]
         .iter()
         .map(|s| (*s).to_owned())
         .collect();
-        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        args.extend(flags.iter().map(|s| (*s).to_owned()));
         let log = dir.join(format!(
             "gateway-{}.log",
             STARTED.fetch_add(1, Ordering::SeqCst)

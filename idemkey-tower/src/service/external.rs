@@ -1,10 +1,13 @@
 //! External mode: the owner flow after a reservation, for effects the store cannot share a
 //! transaction with. `idemkey gateway` is this flow plus a proxy handler.
 //!
-//! 1. Reserve the key with a lease (under `wait`, poll a reservation held by another attempt
-//!    until its owner finishes or the bound passes); with
+//! 1. Reserve the key with a lease; with
 //!    [`point_of_no_return_at_reservation`](crate::IdempotencyLayer::point_of_no_return_at_reservation),
-//!    the reservation marks the point of no return too.
+//!    the reservation marks the point of no return too. Under `wait`, attempts of one
+//!    record in this process take turns first (`crate::coalesce`): the owner holds the turn
+//!    until its outcome is written and cached, and the others wait for it in memory, then
+//!    find the outcome in the replay cache. Only the attempt holding the turn polls a
+//!    reservation held by another process, until its owner finishes or the bound passes.
 //! 2. On its own task, so that a client that hangs up cannot stop it between the point of
 //!    no return and the recorded outcome: run the handler with an [`External`] handle while
 //!    the lease is renewed.
@@ -18,7 +21,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
@@ -31,11 +34,12 @@ use tracing::Instrument;
 
 use super::stored::{Captured, add_expiry, capture_outcome, status_url};
 use super::{Keyed, call, store_unavailable};
+use crate::coalesce::TurnGuard;
 use crate::external::{External, Flags};
 use crate::metrics::Outcome;
 use crate::{IdempotencyRejection, InFlightPolicy};
 
-/// How often a waiting attempt looks at a reservation held by another attempt.
+/// How often a waiting attempt looks at a reservation held by another process's attempt.
 const POLL: Duration = Duration::from_millis(50);
 
 /// How many times an owner's final write is tried.
@@ -47,6 +51,8 @@ pub(super) async fn run<S, I>(
     req: Request<Body>,
     mut claim: Claim,
     lease_time: Duration,
+    turn: Option<TurnGuard>,
+    wait_left: Option<Duration>,
 ) -> Response
 where
     S: Store,
@@ -54,7 +60,7 @@ where
     I::Future: Send + 'static,
 {
     let store = keyed.layer.store.clone();
-    let reserved = reserve_waiting(&keyed, &mut claim, lease_time).await;
+    let reserved = reserve_waiting(&keyed, &mut claim, lease_time, wait_left).await;
     let (token, expires_at) = match reserved {
         Ok(ClaimOutcome::Owned { token, expires_at }) => (token, expires_at),
         Ok(other) => return keyed.answer_existing(other, &claim.id, &claim.fingerprint),
@@ -72,7 +78,13 @@ where
         lease = lease.marked_at_reservation(claim.now);
     }
     let owner = tokio::spawn(
-        own(keyed, inner, req, lease, claim.fingerprint, expires_at).in_current_span(),
+        async move {
+            let response = own(keyed, inner, req, lease, claim.fingerprint, expires_at).await;
+            // This process's other attempts wake once the outcome is written and cached.
+            drop(turn);
+            response
+        }
+        .in_current_span(),
     );
     match owner.await {
         Ok(response) => response,
@@ -84,14 +96,21 @@ where
 }
 
 /// Reserves `claim` with a lease. Under [`InFlightPolicy::Wait`], a reservation held by
-/// another attempt is polled until its owner finishes or the bound passes; then the last
-/// answer stands (`InFlight`).
+/// another attempt (of another process: this process's wait in memory for their turn) is
+/// polled until its owner finishes or the bound passes (`wait_left` of it, after a wait for
+/// the turn); then the last answer stands (`InFlight`).
 async fn reserve_waiting<S: Store>(
     keyed: &Keyed<S>,
     claim: &mut Claim,
     lease: Duration,
+    wait_left: Option<Duration>,
 ) -> protocol::Result<ClaimOutcome> {
-    let started = Instant::now();
+    let deadline = match keyed.config.in_flight {
+        InFlightPolicy::Wait(bound) => {
+            Some(tokio::time::Instant::now() + wait_left.unwrap_or(bound))
+        }
+        InFlightPolicy::Reject => None,
+    };
     loop {
         claim.now = keyed.config.clock.now();
         let store = &keyed.layer.store;
@@ -100,9 +119,9 @@ async fn reserve_waiting<S: Store>(
         } else {
             protocol::reserve(store, claim, lease).await?
         };
-        match (&outcome, keyed.config.in_flight) {
-            (ClaimOutcome::InFlight { .. }, InFlightPolicy::Wait(bound))
-                if started.elapsed() + POLL < bound =>
+        match (&outcome, deadline) {
+            (ClaimOutcome::InFlight { .. }, Some(deadline))
+                if tokio::time::Instant::now() + POLL < deadline =>
             {
                 tokio::time::sleep(POLL).await;
             }

@@ -392,13 +392,15 @@ impl<S: Store> Keyed<S> {
                 claim.sealed_key = Some((seal.0)(self.key.as_str(), &claim.id));
             }
             let req = Request::from_parts(parts, Body::from(bytes));
-            match config.external {
-                Some(lease) => external::run(self, inner, req, claim, lease).await,
+            let external = config.external;
+            let (turn, wait) = match self.take_turn(&mut claim).await {
+                Ok(turn) => turn,
+                Err(answer) => return answer,
+            };
+            match external {
+                // The owner keeps the turn until its outcome is written.
+                Some(lease) => external::run(self, inner, req, claim, lease, turn, wait).await,
                 None => {
-                    let (turn, wait) = match self.take_turn(&mut claim).await {
-                        Ok(turn) => turn,
-                        Err(answer) => return answer,
-                    };
                     let response = local::run(self, inner, req, claim, wait).await;
                     drop(turn);
                     response
