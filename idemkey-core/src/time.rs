@@ -116,7 +116,10 @@ mod tests {
     #[test]
     fn the_far_future_is_formatted_as_the_last_formattable_time() {
         let far = Timestamp(i64::MAX).to_system_time();
-        assert_eq!(httpdate::fmt_http_date(far), "Fri, 31 Dec 9999 23:59:59 GMT");
+        assert_eq!(
+            httpdate::fmt_http_date(far),
+            "Fri, 31 Dec 9999 23:59:59 GMT"
+        );
         assert_eq!(
             humantime::format_rfc3339_millis(far).to_string(),
             "9999-12-31T23:59:59.999Z"

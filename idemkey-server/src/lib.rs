@@ -27,7 +27,7 @@ mod problem;
 pub mod secret;
 mod serve;
 
-pub use self::auth::ApiKeys;
+pub use self::auth::{ApiKeys, DuplicateToken};
 
 /// The Rust samples of the README and of `docs/`, compiled by `cargo test --doc`: a sample
 /// that no longer compiles fails the tests. (Only under `cfg(doctest)`: the packaged crate

@@ -231,9 +231,6 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
             "--reconcile-url must contain {{key}}, e.g. http://svc/v1/transfers?idempotency_key={{key}}"
         );
     }
-    if args.lease < std::time::Duration::from_millis(300) {
-        anyhow::bail!("--lease must be at least 300ms (it is renewed every third of it)");
-    }
     Ok(GatewayOptions {
         listen: args.listen,
         upstream: Upstream::parse(&args.upstream).map_err(anyhow::Error::msg)?,

@@ -15,6 +15,7 @@ use tokio::sync::OnceCell;
 
 use crate::AppDb;
 use crate::cli::{MessageStateArg, OutboxArgs, OutboxCommand};
+use crate::secret::SecretUrl;
 
 /// Where messages go.
 #[derive(Debug, Clone)]
@@ -29,7 +30,7 @@ pub enum OutboxSink {
 /// A JetStream sink connected on first use.
 #[derive(Debug)]
 pub struct LazyNats {
-    url: String,
+    url: SecretUrl,
     config: NatsConfig,
     sink: OnceCell<NatsSink>,
 }
@@ -38,7 +39,7 @@ impl OutboxSink {
     /// The sink the arguments name, if any.
     pub fn from_args(args: &OutboxArgs) -> anyhow::Result<Option<Self>> {
         if let Some(url) = &args.outbox_webhook {
-            let sink = WebhookSink::with_timeout(url, args.outbox_delivery_timeout)
+            let sink = WebhookSink::with_timeout(url.expose(), args.outbox_delivery_timeout)
                 .map_err(|e| anyhow::anyhow!("--outbox-webhook: {e}"))?;
             return Ok(Some(Self::Webhook(sink)));
         }

@@ -180,7 +180,7 @@ pub struct GatewayOptions {
     /// Bearer token → tenant; when empty, the tenant is a keyed hash of `Authorization`.
     pub api_keys: ApiKeys,
     /// The database URL, as messages name it.
-    pub database_url: String,
+    pub database_url: crate::secret::SecretUrl,
     /// The key secret (and the previous one); without one, see `key_secret_in_database`.
     pub secret: KeySecretArgs,
     /// Keep a secret in the database when none is given (SQLite does so by default).
@@ -248,10 +248,7 @@ async fn authenticate<S: AppDb>(
         gw.sealer
             .tenant_of(authorization.map(http::HeaderValue::as_bytes))
     } else {
-        let tenant = authorization
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .and_then(|token| gw.options().api_keys.tenant(token.trim()));
+        let tenant = authorization.and_then(|v| gw.options().api_keys.tenant_of_authorization(v));
         match tenant {
             Some(t) => t.to_owned(),
             None => return ApiError::Unauthorized.into_response(),
