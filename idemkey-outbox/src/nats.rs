@@ -122,13 +122,18 @@ impl NatsSink {
             .split(',')
             .map(|one| one.trim().parse::<async_nats::ServerAddr>())
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| DeliveryError(format!("invalid NATS URL {url:?}: {e}")))?;
+            .map_err(|e| DeliveryError(format!("invalid NATS URL {:?}: {e}", redact_urls(url))))?;
         let client = async_nats::ConnectOptions::new()
             .name("idemkey-outbox")
             .connection_timeout(config.ack_timeout)
             .connect(servers)
             .await
-            .map_err(|e| DeliveryError(format!("cannot connect to NATS at {url}: {e}")))?;
+            .map_err(|e| {
+                DeliveryError(format!(
+                    "cannot connect to NATS at {}: {e}",
+                    redact_urls(url)
+                ))
+            })?;
         Self::with_client(client, config).await
     }
 
@@ -294,6 +299,14 @@ impl Sink for NatsSink {
         }
         Ok(())
     }
+}
+
+/// A comma-separated list of NATS URLs, each with its password hidden.
+fn redact_urls(urls: &str) -> String {
+    urls.split(',')
+        .map(|one| idemkey_core::redact_url(one.trim()))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[cfg(test)]

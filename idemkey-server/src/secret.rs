@@ -181,8 +181,13 @@ pub fn check_before_start(
     if postgres && args.key_secret.is_none() && args.key_secret_file.is_none() && !in_database {
         return Err(no_secret_to_start(&redacted(url)));
     }
-    given_secrets(args)?;
-    Ok(())
+    check_given(args)
+}
+
+/// Every command that takes a key secret, before it opens anything: a given secret must be
+/// readable and at least [`MIN_SECRET_LEN`] bytes long.
+pub fn check_given(args: &KeySecretArgs) -> anyhow::Result<()> {
+    given_secrets(args).map(drop)
 }
 
 /// The secrets `args` give: the current one (at least [`MIN_SECRET_LEN`] bytes) and the
