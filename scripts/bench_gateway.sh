@@ -41,7 +41,7 @@ run() { # $1 = label, $2 = binary, $3 = database URL, then extra `idemkey bench`
   local label=$1 bin=$2 db=$3; shift 3
   local port; port=$(free_port)
   "$bin" gateway --listen "127.0.0.1:$port" --upstream "http://127.0.0.1:$UP_PORT" \
-    --database-url "$db" --key-secret bench-secret --optional-route "POST /payments" \
+    --database-url "$db" --key-secret bench-secret-0123456789abcdef0123456789 --optional-route "POST /payments" \
     >"$WORK/gateway-$port.log" 2>&1 &
   local pid=$!
   PIDS+=("$pid")

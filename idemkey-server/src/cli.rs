@@ -686,3 +686,69 @@ pub enum KeysCommand {
         batch: u32,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    use std::ops::RangeInclusive;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    type Parser = fn(&str) -> Result<Duration, String>;
+
+    /// Every kind of duration flag, with the range it accepts.
+    fn kinds() -> [(Parser, RangeInclusive<Duration>); 6] {
+        [
+            (parse_retention, Duration::from_secs(1)..=MAX_RETENTION),
+            (parse_age, Duration::ZERO..=MAX_RETENTION),
+            (parse_timeout, Duration::from_millis(1)..=MAX_TIMEOUT),
+            (parse_idle_timeout, Duration::ZERO..=MAX_TIMEOUT),
+            (parse_interval, Duration::from_millis(10)..=MAX_INTERVAL),
+            (parse_lease, Duration::from_millis(300)..=MAX_TIMEOUT),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn duration_flags_accept_their_range_and_round_trip(
+            secs in prop_oneof![any::<u64>(), 0u64..400_000_000],
+            nanos in 0u32..1_000_000_000,
+        ) {
+            let d = Duration::new(secs, nanos);
+            let text = humantime::format_duration(d).to_string();
+            for (parse, range) in kinds() {
+                match parse(&text) {
+                    Ok(parsed) => prop_assert!(parsed == d && range.contains(&d), "{text}"),
+                    Err(e) => prop_assert!(!range.contains(&d), "{text}: {e}"),
+                }
+            }
+        }
+
+        #[test]
+        fn no_flag_text_panics_a_parser(text in "\\PC{0,40}", digits in "[0-9]{1,40}[a-z]{0,8}") {
+            for text in [&text, &digits] {
+                for (parse, _) in kinds() {
+                    let _ = parse(text);
+                }
+                let _ = parse_size(text);
+            }
+        }
+
+        #[test]
+        fn sizes_accept_1_byte_to_1_gib_and_round_trip(n in prop_oneof![any::<usize>(), 0usize..(2 << 30)]) {
+            match parse_size(&n.to_string()) {
+                Ok(parsed) => prop_assert!(parsed == n && (1..=MAX_SIZE).contains(&n)),
+                Err(_) => prop_assert!(!(1..=MAX_SIZE).contains(&n)),
+            }
+        }
+    }
+
+    #[test]
+    fn the_bounds_themselves_are_accepted() {
+        assert_eq!(parse_retention("10years"), Ok(MAX_RETENTION));
+        assert_eq!(parse_retention("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_timeout("1day"), Ok(MAX_TIMEOUT));
+        assert_eq!(parse_size("1024MiB"), Ok(MAX_SIZE));
+    }
+}
