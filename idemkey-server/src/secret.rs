@@ -190,10 +190,13 @@ pub fn check_given(args: &KeySecretArgs) -> anyhow::Result<()> {
     given_secrets(args).map(drop)
 }
 
+/// A secret's bytes.
+type Secret = Vec<u8>;
+
 /// The secrets `args` give: the current one (at least [`MIN_SECRET_LEN`] bytes) and the
 /// previous one. The previous one may be shorter: rotating away from a short secret is how
 /// an installation gets a long one.
-fn given_secrets(args: &KeySecretArgs) -> anyhow::Result<(Option<Vec<u8>>, Option<Vec<u8>>)> {
+fn given_secrets(args: &KeySecretArgs) -> anyhow::Result<(Option<Secret>, Option<Secret>)> {
     let current = given(
         args.key_secret.as_ref().map(SecretString::expose),
         args.key_secret_file.as_deref(),
