@@ -745,6 +745,64 @@ mod tests {
     }
 
     #[test]
+    fn debug_of_the_parsed_command_line_shows_no_secret() {
+        let db = "postgres://app:s3cret@h/db?sslmode=require&password=s3cret";
+        let secrets = [
+            "--key-secret",
+            "s3cret-key",
+            "--previous-key-secret",
+            "s3cret-old",
+        ];
+        let keys = ["--api-key", "t=s3cret-t", "--api-keys-env", "u=s3cret-u"];
+        let commands: [Vec<&str>; 5] = [
+            [
+                &["idemkey", "serve", "--database-url", db][..],
+                &secrets,
+                &keys,
+            ]
+            .concat()
+            .into_iter()
+            .chain(["--outbox-webhook", "https://h/hook/s3cret?token=s3cret"])
+            .collect(),
+            [
+                &[
+                    "idemkey",
+                    "gateway",
+                    "--upstream",
+                    "http://u",
+                    "--database-url",
+                    db,
+                ][..],
+                &secrets,
+                &keys,
+            ]
+            .concat(),
+            [
+                &["idemkey", "keys", "list", "--database-url", db][..],
+                &secrets,
+            ]
+            .concat(),
+            vec![
+                "idemkey",
+                "relay",
+                "--database-url",
+                db,
+                "--outbox-nats",
+                "nats://u:s3cret@n",
+                "--outbox-subject",
+                "s",
+            ],
+            vec!["idemkey", "bench", "--token", "s3cret"],
+        ];
+        for args in commands {
+            let cli = <Cli as clap::Parser>::try_parse_from(&args).expect("valid arguments");
+            let shown = format!("{cli:?}");
+            assert!(!shown.contains("s3cret"), "{shown}");
+            assert!(shown.contains("***"), "{shown}");
+        }
+    }
+
+    #[test]
     fn the_bounds_themselves_are_accepted() {
         assert_eq!(parse_retention("10years"), Ok(MAX_RETENTION));
         assert_eq!(parse_retention("1s"), Ok(Duration::from_secs(1)));
