@@ -33,7 +33,7 @@ work_dir bench
 serve() { # $1 = database URL, $2 = the binary (default: this build); waits until it listens
   local port; port=$(free_port)
   "${2:-$BIN}" serve --listen "127.0.0.1:$port" --database-url "$1" --api-key bench=tok_bench \
-    --key-secret bench-secret --max-connections 64 >"$WORK/serve-$port.log" 2>&1 &
+    --key-secret bench-secret-0123456789abcdef0123456789 --max-connections 64 >"$WORK/serve-$port.log" 2>&1 &
   local pid=$!
   PIDS+=("$pid")
   until_listening "$WORK/serve-$port.log"

@@ -47,7 +47,7 @@ run() { # $1 = label, $2 = binary
     url="sqlite:$WORK/$1.db"
   fi
   "$2" serve --listen "127.0.0.1:$port" --database-url "$url" \
-    --api-key bench=tok_bench --key-secret bench-secret --max-connections 64 \
+    --api-key bench=tok_bench --key-secret bench-secret-0123456789abcdef0123456789 --max-connections 64 \
     >"$WORK/serve-$1.log" 2>&1 &
   pid=$!
   PIDS+=("$pid")

@@ -64,7 +64,7 @@ serve() { # $1 = database URL, then extra `serve` arguments; waits until it list
   local port; port=$(free_port)
   SERVER_LOG=$WORK/serve-$port.log
   "$BIN" serve --listen "127.0.0.1:$port" --database-url "$url" --api-key bench=tok_bench \
-    --key-secret bench-secret --max-connections 64 "$@" >"$SERVER_LOG" 2>&1 &
+    --key-secret bench-secret-0123456789abcdef0123456789 --max-connections 64 "$@" >"$SERVER_LOG" 2>&1 &
   SERVER_PID=$!
   PIDS+=("$SERVER_PID")
   until_listening "$SERVER_LOG" 600

@@ -150,7 +150,7 @@ start_group "$WORK/proxy.log" python3 "$ROOT/scripts/pg_primary_proxy.py" \
 wait_for 10 "the proxy" grep -q 'primary none -> 127.0.0.1' "$WORK/proxy.log"
 DB_URL="postgres://postgres@127.0.0.1:$PROXY_PORT/idemkey"
 start_group "$WORK/serve.log" "$BIN" serve --listen "127.0.0.1:$SERVE_PORT" --database-url "$DB_URL" \
-  --api-key t1=tok1 --key-secret failover-secret --max-connections 16
+  --api-key t1=tok1 --key-secret failover-secret-0123456789abcdef0123456789 --max-connections 16
 wait_for 30 "idemkey serve" curl -sf "http://127.0.0.1:$SERVE_PORT/healthz"
 
 N1_POSTMASTER=$(head -1 "$WORK/node1/postmaster.pid")

@@ -26,7 +26,7 @@ start_pg
 
 PORT=$(free_port)
 "$BIN" serve --listen "127.0.0.1:$PORT" --database-url "$PG_URL" \
-  --api-key a=tok_a --api-key b=tok_b --key-secret storm-secret --simulate-latency "$LATENCY" \
+  --api-key a=tok_a --api-key b=tok_b --key-secret storm-secret-0123456789abcdef0123456789 --simulate-latency "$LATENCY" \
   >"$WORK/serve.log" 2>&1 &
 PIDS+=($!)
 until_listening "$WORK/serve.log"

@@ -36,7 +36,7 @@ case $STORE in
 esac
 PORT=$(free_port)
 "$BIN" serve --listen "127.0.0.1:$PORT" --database-url "$URL" --api-key bench=tok_bench \
-  --key-secret bench-secret --max-connections 64 >"$WORK/serve.log" 2>&1 &
+  --key-secret bench-secret-0123456789abcdef0123456789 --max-connections 64 >"$WORK/serve.log" 2>&1 &
 SERVER_PID=$!
 PIDS+=("$SERVER_PID")
 until_listening "$WORK/serve.log"

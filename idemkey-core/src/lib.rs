@@ -33,6 +33,7 @@ pub mod outbox;
 pub mod problem;
 pub mod protocol;
 mod record;
+mod redact;
 mod scope;
 #[cfg(feature = "sqlx")]
 mod sqlx_row;
@@ -47,6 +48,7 @@ pub use self::eviction::{EvictionNotice, EvictionNotices};
 pub use self::fingerprint::*;
 pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse};
+pub use self::redact::{CREDENTIAL_PARAMETERS, redact_url};
 pub use self::scope::{KeyHasher, RecordId, Scope};
 #[cfg(feature = "sqlx")]
 pub use self::sqlx_row::{

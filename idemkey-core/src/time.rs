@@ -11,6 +11,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub struct Timestamp(pub i64);
 
 impl Timestamp {
+    /// The latest time an HTTP date or an RFC 3339 date can spell: 9999-12-31T23:59:59.999Z.
+    /// [`to_system_time`](Self::to_system_time) goes no further, so that formatting a time
+    /// read from a record can never fail, however far in the future the record says.
+    pub const MAX_FORMATTABLE: Self = Self(253_402_300_799_999);
+
     /// The current time from the system clock.
     pub fn now() -> Self {
         let ms = SystemTime::now()
@@ -41,9 +46,12 @@ impl Timestamp {
         )
     }
 
-    /// This time as a [`SystemTime`] (times before the epoch are clamped to it).
+    /// This time as a [`SystemTime`], clamped to the epoch and to
+    /// [`MAX_FORMATTABLE`](Self::MAX_FORMATTABLE): `httpdate` and `humantime` format every
+    /// value it returns without a panic.
     pub fn to_system_time(self) -> SystemTime {
-        UNIX_EPOCH + Duration::from_millis(self.0.max(0) as u64)
+        let ms = self.0.clamp(0, Self::MAX_FORMATTABLE.0) as u64;
+        UNIX_EPOCH + Duration::from_millis(ms)
     }
 
     /// The time from `self` until `later`, zero if `later` is not later.
@@ -66,5 +74,55 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now(&self) -> Timestamp {
         Timestamp::now()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn any_time_and_duration_add_and_format_without_a_panic(
+            ms in any::<i64>(),
+            secs in any::<u64>(),
+            nanos in 0u32..1_000_000_000,
+        ) {
+            let t = Timestamp(ms);
+            let d = Duration::new(secs, nanos);
+            for t in [t, t.plus(d), t.minus(d)] {
+                let at = t.to_system_time();
+                let http = httpdate::fmt_http_date(at);
+                let rfc = humantime::format_rfc3339_millis(at).to_string();
+                prop_assert!(!http.is_empty() && !rfc.is_empty());
+                let _ = t.until(Timestamp::now());
+                let _ = Timestamp::now().until(t);
+            }
+        }
+
+        #[test]
+        fn formattable_times_round_trip(ms in 0i64..=Timestamp::MAX_FORMATTABLE.0) {
+            let at = Timestamp(ms).to_system_time();
+            let rfc = humantime::format_rfc3339_millis(at).to_string();
+            prop_assert_eq!(humantime::parse_rfc3339(&rfc).unwrap(), at);
+            let http = httpdate::fmt_http_date(at);
+            let secs = Duration::from_secs((ms / 1000) as u64);
+            prop_assert_eq!(httpdate::parse_http_date(&http).unwrap(), UNIX_EPOCH + secs);
+        }
+    }
+
+    #[test]
+    fn the_far_future_is_formatted_as_the_last_formattable_time() {
+        let far = Timestamp(i64::MAX).to_system_time();
+        assert_eq!(
+            httpdate::fmt_http_date(far),
+            "Fri, 31 Dec 9999 23:59:59 GMT"
+        );
+        assert_eq!(
+            humantime::format_rfc3339_millis(far).to_string(),
+            "9999-12-31T23:59:59.999Z"
+        );
     }
 }

@@ -66,4 +66,4 @@ pub use self::metrics::OutboxMetrics;
 pub use self::nats::{NatsConfig, NatsSink, Published};
 pub use self::relay::{Backoff, Relay, RelayConfig, RelayTask, Round};
 pub use self::sink::{DeliveryError, Sink, envelope};
-pub use self::webhook::WebhookSink;
+pub use self::webhook::{WebhookSink, redact_sink_url, redact_sink_urls};

@@ -134,7 +134,12 @@ impl NatsSink {
             .connection_timeout(config.ack_timeout)
             .connect(servers)
             .await
-            .map_err(|e| DeliveryError(format!("cannot connect to NATS at {url}: {e}")))?;
+            .map_err(|e| {
+                DeliveryError(format!(
+                    "cannot connect to NATS at {}: {e}",
+                    redact_urls(url)
+                ))
+            })?;
         Self::with_client(client, config).await
     }
 
@@ -346,11 +351,12 @@ fn parse_servers(url: &str) -> Result<Vec<async_nats::ServerAddr>, DeliveryError
             let one = one.trim();
             if one.is_empty() {
                 return Err(DeliveryError(format!(
-                    "invalid NATS URL {url:?}: an empty server in the list"
+                    "invalid NATS URL {:?}: an empty server in the list",
+                    redact_urls(url)
                 )));
             }
             one.parse::<async_nats::ServerAddr>()
-                .map_err(|e| DeliveryError(format!("invalid NATS URL {url:?}: {e}")))
+                .map_err(|e| DeliveryError(format!("invalid NATS URL {:?}: {e}", redact_urls(url))))
         })
         .collect()
 }
@@ -379,6 +385,14 @@ impl Sink for NatsSink {
         }
         Ok(())
     }
+}
+
+/// A comma-separated list of NATS URLs, each with its password hidden.
+fn redact_urls(urls: &str) -> String {
+    urls.split(',')
+        .map(|one| idemkey_core::redact_url(one.trim()))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@ pub struct BenchOptions {
     /// Where the effects are counted (`GET`, JSON with `total`); empty: not read back.
     pub effects_path: String,
     /// Bearer token.
-    pub token: String,
+    pub token: crate::secret::SecretString,
     /// The load shape.
     pub mode: Mode,
     /// Requests in flight at once.
@@ -159,7 +159,7 @@ impl Load {
         let response = self
             .client
             .get(url)
-            .bearer_auth(&self.options.token)
+            .bearer_auth(self.options.token.expose())
             .send()
             .await
             .ok()?;
@@ -208,7 +208,7 @@ impl Load {
                         };
                         let mut builder = client
                             .post(format!("{}{path}", options.url))
-                            .bearer_auth(&options.token)
+                            .bearer_auth(options.token.expose())
                             .header("content-type", "application/json")
                             .body(req.body.clone());
                         if let Some(key) = &req.key {

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::ApiKeys;
+use crate::secret::{SecretString, SecretUrl};
 
 /// idemkey: safe retries for HTTP writes.
 #[derive(Debug, Parser)]
@@ -47,8 +48,13 @@ pub enum Command {
 pub struct OutboxArgs {
     /// Emit outbox messages (`payment.succeeded`) and deliver each with `POST` to this URL,
     /// the message id as `Idempotency-Key`.
-    #[arg(long, value_name = "URL", env = "IDEMKEY_OUTBOX_WEBHOOK")]
-    pub outbox_webhook: Option<String>,
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "IDEMKEY_OUTBOX_WEBHOOK",
+        hide_env_values = true
+    )]
+    pub outbox_webhook: Option<SecretString>,
     /// Emit outbox messages and publish each to NATS JetStream at this URL (with
     /// `--outbox-subject`), `Nats-Msg-Id` set to the message id; several servers may be
     /// listed, separated by commas.
@@ -56,10 +62,11 @@ pub struct OutboxArgs {
         long,
         value_name = "URL",
         env = "IDEMKEY_OUTBOX_NATS",
+        hide_env_values = true,
         conflicts_with = "outbox_webhook",
         requires = "outbox_subject"
     )]
-    pub outbox_nats: Option<String>,
+    pub outbox_nats: Option<SecretUrl>,
     /// The subject `--outbox-nats` publishes to. A stream that captures it is used as it is;
     /// when none does, one is created (`OUTBOX_<SUBJECT>`, a 2-minute duplicate window).
     #[arg(
@@ -72,16 +79,16 @@ pub struct OutboxArgs {
     /// How long one delivery may take before it counts as failed. A relay's claim on the
     /// messages it delivers lasts three times this: a relay that dies leaves its messages to
     /// the next one after that.
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_timeout)]
     pub outbox_delivery_timeout: Duration,
     /// Delivery attempts before a message is dead (`idemkey outbox retry` revives it).
     #[arg(long, value_name = "N", default_value_t = 12, value_parser = clap::value_parser!(u32).range(1..))]
     pub outbox_max_attempts: u32,
     /// The longest wait between two attempts (waits double from 1s, with jitter).
-    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = humantime::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = parse_timeout)]
     pub outbox_max_backoff: Duration,
     /// How long sent messages are kept before they are deleted.
-    #[arg(long, value_name = "DURATION", default_value = "7days", value_parser = humantime::parse_duration)]
+    #[arg(long, value_name = "DURATION", default_value = "7days", value_parser = parse_retention)]
     pub outbox_keep_sent: Duration,
 }
 
@@ -172,7 +179,7 @@ pub struct DemoArgs {
     pub concurrency: usize,
     /// The database; default: a temporary SQLite file.
     #[arg(long)]
-    pub database_url: Option<String>,
+    pub database_url: Option<SecretUrl>,
     /// Seed of the losses, for a reproducible run.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -186,7 +193,7 @@ pub struct BenchArgs {
     pub url: String,
     /// Bearer token of the tenant to load.
     #[arg(long, env = "IDEMKEY_TOKEN", hide_env_values = true)]
-    pub token: String,
+    pub token: SecretString,
     /// The load shape.
     #[arg(long, value_enum, default_value_t = crate::bench::Mode::Fresh)]
     pub mode: crate::bench::Mode,
@@ -197,7 +204,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 2000)]
     pub requests: usize,
     /// Upper bound of each phase (e.g. 60s).
-    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = parse_timeout)]
     pub duration: Duration,
     /// Concurrent requests per key (race mode).
     #[arg(long, default_value_t = 8)]
@@ -243,14 +250,14 @@ pub struct BenchArgs {
 pub struct KeySecretArgs {
     /// The secret keys are hashed with (not with --key-secret-file).
     #[arg(long, env = "IDEMKEY_KEY_SECRET", hide_env_values = true)]
-    pub key_secret: Option<String>,
+    pub key_secret: Option<SecretString>,
     /// A file holding the key secret (its trailing newline is ignored).
     #[arg(long, value_name = "PATH")]
     pub key_secret_file: Option<PathBuf>,
     /// Rotation: the secret used before --key-secret, still accepted for look-ups until the
     /// retention has passed (not with --previous-key-secret-file).
     #[arg(long, env = "IDEMKEY_PREVIOUS_KEY_SECRET", hide_env_values = true)]
-    pub previous_key_secret: Option<String>,
+    pub previous_key_secret: Option<SecretString>,
     /// A file holding the previous key secret.
     #[arg(long, value_name = "PATH")]
     pub previous_key_secret_file: Option<PathBuf>,
@@ -264,11 +271,12 @@ pub struct DbArgs {
     #[arg(
         long,
         env = "IDEMKEY_DATABASE_URL",
+        hide_env_values = true,
         default_value = "sqlite:idemkey.db"
     )]
-    pub database_url: String,
+    pub database_url: SecretUrl,
     /// Connections in the pool (PostgreSQL).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub max_connections: u32,
 }
 
@@ -302,11 +310,11 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub db: DbArgs,
     /// An API key, as TENANT=TOKEN (repeatable). Without any, two demo tenants are made up.
-    #[arg(long = "api-key", value_parser = ApiKeys::parse_pair)]
-    pub api_keys: Vec<(String, String)>,
+    #[arg(long = "api-key", value_parser = parse_api_key)]
+    pub api_keys: Vec<(String, SecretString)>,
     /// API keys as "t1=tok1,t2=tok2" (added to --api-key).
     #[arg(long, env = "IDEMKEY_API_KEYS", hide_env_values = true)]
-    pub api_keys_env: Option<String>,
+    pub api_keys_env: Option<SecretString>,
     /// The key secret (PostgreSQL: required, unless --key-secret-in-database).
     #[command(flatten)]
     pub secret: KeySecretArgs,
@@ -315,19 +323,19 @@ pub struct ServeArgs {
     #[arg(long)]
     pub key_secret_in_database: bool,
     /// Milliseconds the payment handler waits inside its transaction.
-    #[arg(long, value_name = "MS", default_value_t = 0)]
+    #[arg(long, value_name = "MS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(..=60_000))]
     pub simulate_latency: u64,
     /// How long outcomes are kept and replayed (e.g. 24h, 90m).
-    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "24h", value_parser = parse_retention)]
     pub retention: Duration,
     /// What a retry gets while the first attempt is running.
     #[arg(long, value_enum, default_value_t = InFlight::Wait)]
     pub in_flight: InFlight,
     /// How long a retry waits for the first attempt under --in-flight wait.
-    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = parse_timeout)]
     pub wait_timeout: Duration,
     /// How often expired records are purged.
-    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = parse_interval)]
     pub purge_interval: Duration,
     /// Where outbox messages go.
     #[command(flatten)]
@@ -340,21 +348,95 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// Every configured API key, from the flags and the environment.
     pub fn all_api_keys(&self) -> Result<ApiKeys, String> {
-        all_api_keys(&self.api_keys, self.api_keys_env.as_deref())
+        all_api_keys(&self.api_keys, self.api_keys_env.as_ref())
     }
 }
 
-fn all_api_keys(flags: &[(String, String)], env: Option<&str>) -> Result<ApiKeys, String> {
-    let mut pairs = flags.to_vec();
+fn all_api_keys(
+    flags: &[(String, SecretString)],
+    env: Option<&SecretString>,
+) -> Result<ApiKeys, String> {
+    let mut pairs: Vec<(String, String)> = flags
+        .iter()
+        .map(|(tenant, token)| (tenant.clone(), token.expose().to_owned()))
+        .collect();
     if let Some(env) = env {
-        for item in env.split(',').filter(|s| !s.trim().is_empty()) {
+        for item in env.expose().split(',').filter(|s| !s.trim().is_empty()) {
             pairs.push(ApiKeys::parse_pair(item).map_err(|e| format!("IDEMKEY_API_KEYS: {e}"))?);
         }
     }
-    Ok(ApiKeys::new(pairs))
+    ApiKeys::new(pairs).map_err(|e| e.to_string())
 }
 
-/// Parses a size: bytes, or with a suffix `KiB`, `MiB` (also `k`, `M`, `KB`, `MB`: binary).
+/// Parses `--api-key TENANT=TOKEN`.
+fn parse_api_key(s: &str) -> Result<(String, SecretString), String> {
+    ApiKeys::parse_pair(s).map(|(tenant, token)| (tenant, token.into()))
+}
+
+/// The longest retention, and the oldest age a flag names: ten years (`10years`). Any longer
+/// has no use, and would reach past the last date an HTTP date can spell.
+const MAX_RETENTION: Duration = Duration::from_secs(10 * 31_557_600);
+/// The longest time-out or wait: a day.
+const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
+/// The longest interval between two runs of a periodic task: a year.
+const MAX_INTERVAL: Duration = Duration::from_secs(31_557_600);
+
+/// Parses a duration (e.g. 90s, 24h, 500ms) within `range`, or says which range holds.
+fn duration_in(
+    s: &str,
+    range: std::ops::RangeInclusive<Duration>,
+    what: &str,
+) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("invalid duration {s:?}: {e}"))?;
+    if !range.contains(&d) {
+        return Err(format!(
+            "{s:?} is out of range: {what} is from {} to {}",
+            humantime::format_duration(*range.start()),
+            humantime::format_duration(*range.end())
+        ));
+    }
+    Ok(d)
+}
+
+/// Parses a retention (`--retention`, `--outbox-keep-sent`): from 1 s (less keeps nothing
+/// long enough to protect a retry) to 10 years.
+pub fn parse_retention(s: &str) -> Result<Duration, String> {
+    duration_in(s, Duration::from_secs(1)..=MAX_RETENTION, "a retention")
+}
+
+/// Parses an age (`--older-than`): from 0 to 10 years.
+pub fn parse_age(s: &str) -> Result<Duration, String> {
+    duration_in(s, Duration::ZERO..=MAX_RETENTION, "an age")
+}
+
+/// Parses a time-out or a wait (`--wait-timeout`, `--connect-timeout`, …): from 1 ms to a
+/// day (0 would fail everything at once).
+pub fn parse_timeout(s: &str) -> Result<Duration, String> {
+    duration_in(s, Duration::from_millis(1)..=MAX_TIMEOUT, "a time-out")
+}
+
+/// Parses how long an idle connection is kept (`--upstream-idle-timeout`): from 0 (none is
+/// kept) to a day.
+pub fn parse_idle_timeout(s: &str) -> Result<Duration, String> {
+    duration_in(s, Duration::ZERO..=MAX_TIMEOUT, "an idle time-out")
+}
+
+/// Parses the interval of a periodic task (`--purge-interval`, `--reconcile-interval`):
+/// from 10 ms to a year.
+pub fn parse_interval(s: &str) -> Result<Duration, String> {
+    duration_in(s, Duration::from_millis(10)..=MAX_INTERVAL, "an interval")
+}
+
+/// Parses the gateway's `--lease`: from 300 ms (it is renewed every third of it) to a day.
+pub fn parse_lease(s: &str) -> Result<Duration, String> {
+    duration_in(s, Duration::from_millis(300)..=MAX_TIMEOUT, "a lease")
+}
+
+/// The largest body size a flag names: 1 GiB, about the most either store keeps in one value.
+const MAX_SIZE: usize = 1 << 30;
+
+/// Parses a size: bytes, or with a suffix `KiB`, `MiB` (also `k`, `M`, `KB`, `MB`: binary),
+/// from 1 byte to 1 GiB.
 pub fn parse_size(s: &str) -> Result<usize, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
@@ -368,8 +450,10 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         "m" | "mb" | "mib" => 1024 * 1024,
         other => return Err(format!("invalid size unit {other:?}: use KiB or MiB")),
     };
-    n.checked_mul(factor)
-        .ok_or_else(|| format!("size {s:?} is too large"))
+    let size = n
+        .checked_mul(factor)
+        .filter(|size| (1..=MAX_SIZE).contains(size));
+    size.ok_or_else(|| format!("{s:?} is out of range: a size is from 1 byte to 1GiB"))
 }
 
 /// The HTTP server's timeouts and connection limit, for `serve` and `gateway`
@@ -450,11 +534,12 @@ pub struct GatewayArgs {
     #[arg(
         long,
         env = "IDEMKEY_DATABASE_URL",
+        hide_env_values = true,
         default_value = "sqlite:idemkey-gateway.db"
     )]
-    pub database_url: String,
+    pub database_url: SecretUrl,
     /// Connections in the pool (PostgreSQL).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub max_connections: u32,
     /// A route that requires an Idempotency-Key: "METHOD PATH [STATUS=ACTION ...]", PATH may
     /// end in `*` (a prefix), METHOD may be `*`, then the route's own changes to --answers
@@ -477,10 +562,10 @@ pub struct GatewayArgs {
     #[arg(long, value_enum, default_value_t = InFlight::Wait)]
     pub in_flight: InFlight,
     /// How long a retry waits for the first attempt under --in-flight wait.
-    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = parse_timeout)]
     pub wait_timeout: Duration,
     /// How long a reservation is held without renewal (renewed every third of it).
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = parse_lease)]
     pub lease: Duration,
     /// Where the point of no return is marked: in the reservation's write (one write less
     /// per request), or in a write of its own just before the request leaves (a gateway
@@ -488,14 +573,14 @@ pub struct GatewayArgs {
     #[arg(long, value_enum, default_value_t = PointOfNoReturn::WithReservation)]
     pub point_of_no_return: PointOfNoReturn,
     /// Bound of the TCP connect to the upstream.
-    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = parse_timeout)]
     pub connect_timeout: Duration,
     /// How long a connection to the upstream is kept idle for the next keyed request. Keep
     /// it below the upstream's keep-alive time-out; 0s opens one connection per request.
-    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "1s", value_parser = parse_idle_timeout)]
     pub upstream_idle_timeout: Duration,
     /// Bound of the upstream's complete answer.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = parse_timeout)]
     pub upstream_timeout: Duration,
     /// Largest keyed request body (413 past it).
     #[arg(long, default_value = "1MiB", value_parser = parse_size)]
@@ -504,16 +589,16 @@ pub struct GatewayArgs {
     #[arg(long, default_value = "1MiB", value_parser = parse_size)]
     pub max_stored_response: usize,
     /// How long outcomes are kept and replayed (e.g. 24h, 90m).
-    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "24h", value_parser = parse_retention)]
     pub retention: Duration,
     /// An API key, as TENANT=TOKEN (repeatable): each request's tenant is its bearer
     /// token's (401 without a known one). The gateway needs one tenant source: API keys,
     /// --tenant-header or --single-tenant.
-    #[arg(long = "api-key", value_parser = ApiKeys::parse_pair)]
-    pub api_keys: Vec<(String, String)>,
+    #[arg(long = "api-key", value_parser = parse_api_key)]
+    pub api_keys: Vec<(String, SecretString)>,
     /// API keys as "t1=tok1,t2=tok2" (added to --api-key).
     #[arg(long, env = "IDEMKEY_API_KEYS", hide_env_values = true)]
-    pub api_keys_env: Option<String>,
+    pub api_keys_env: Option<SecretString>,
     /// Each request's tenant is this header's value, set by an authenticating proxy in front
     /// of the gateway, which must replace any value a caller sends (401 without it).
     #[arg(long, value_name = "HEADER")]
@@ -535,13 +620,13 @@ pub struct GatewayArgs {
     #[arg(long, value_name = "TEMPLATE")]
     pub reconcile_url: Option<String>,
     /// How often the reconciler runs.
-    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = parse_interval)]
     pub reconcile_interval: Duration,
     /// How often expired records are purged.
-    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = parse_interval)]
     pub purge_interval: Duration,
     /// Tests and demos: milliseconds to wait after the reservation, before connecting.
-    #[arg(long, value_name = "MS", default_value_t = 0, hide = true)]
+    #[arg(long, value_name = "MS", default_value_t = 0, hide = true, value_parser = clap::value_parser!(u64).range(..=60_000))]
     pub simulate_delay_before_forward: u64,
     /// Timeouts and the connection limit of the HTTP server.
     #[command(flatten)]
@@ -551,7 +636,7 @@ pub struct GatewayArgs {
 impl GatewayArgs {
     /// Every configured API key, from the flags and the environment.
     pub fn all_api_keys(&self) -> Result<ApiKeys, String> {
-        all_api_keys(&self.api_keys, self.api_keys_env.as_deref())
+        all_api_keys(&self.api_keys, self.api_keys_env.as_ref())
     }
 
     /// The one tenant source the flags name.
@@ -595,7 +680,7 @@ pub enum KeysCommand {
         #[arg(long, value_enum)]
         state: Option<StateArg>,
         /// Only records created longer ago than this (e.g. 2h).
-        #[arg(long, value_parser = humantime::parse_duration)]
+        #[arg(long, value_parser = parse_age)]
         older_than: Option<Duration>,
         /// At most this many.
         #[arg(long, default_value_t = 50)]
@@ -686,7 +771,131 @@ pub enum KeysCommand {
         #[command(flatten)]
         secret: KeySecretArgs,
         /// Rows per batch.
-        #[arg(long, default_value_t = 1000)]
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
         batch: u32,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ops::RangeInclusive;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    type Parser = fn(&str) -> Result<Duration, String>;
+
+    /// Every kind of duration flag, with the range it accepts.
+    fn kinds() -> [(Parser, RangeInclusive<Duration>); 6] {
+        [
+            (parse_retention, Duration::from_secs(1)..=MAX_RETENTION),
+            (parse_age, Duration::ZERO..=MAX_RETENTION),
+            (parse_timeout, Duration::from_millis(1)..=MAX_TIMEOUT),
+            (parse_idle_timeout, Duration::ZERO..=MAX_TIMEOUT),
+            (parse_interval, Duration::from_millis(10)..=MAX_INTERVAL),
+            (parse_lease, Duration::from_millis(300)..=MAX_TIMEOUT),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn duration_flags_accept_their_range_and_round_trip(
+            secs in prop_oneof![any::<u64>(), 0u64..400_000_000],
+            nanos in 0u32..1_000_000_000,
+        ) {
+            let d = Duration::new(secs, nanos);
+            let text = humantime::format_duration(d).to_string();
+            for (parse, range) in kinds() {
+                match parse(&text) {
+                    Ok(parsed) => prop_assert!(parsed == d && range.contains(&d), "{text}"),
+                    Err(e) => prop_assert!(!range.contains(&d), "{text}: {e}"),
+                }
+            }
+        }
+
+        #[test]
+        fn no_flag_text_panics_a_parser(text in "\\PC{0,40}", digits in "[0-9]{1,40}[a-z]{0,8}") {
+            for text in [&text, &digits] {
+                for (parse, _) in kinds() {
+                    let _ = parse(text);
+                }
+                let _ = parse_size(text);
+            }
+        }
+
+        #[test]
+        fn sizes_accept_1_byte_to_1_gib_and_round_trip(n in prop_oneof![any::<usize>(), 0usize..(2 << 30)]) {
+            match parse_size(&n.to_string()) {
+                Ok(parsed) => prop_assert!(parsed == n && (1..=MAX_SIZE).contains(&n)),
+                Err(_) => prop_assert!(!(1..=MAX_SIZE).contains(&n)),
+            }
+        }
+    }
+
+    #[test]
+    fn debug_of_the_parsed_command_line_shows_no_secret() {
+        let db = "postgres://app:s3cret@h/db?sslmode=require&password=s3cret";
+        let secrets = [
+            "--key-secret",
+            "s3cret-key",
+            "--previous-key-secret",
+            "s3cret-old",
+        ];
+        let keys = ["--api-key", "t=s3cret-t", "--api-keys-env", "u=s3cret-u"];
+        let commands: [Vec<&str>; 5] = [
+            [
+                &["idemkey", "serve", "--database-url", db][..],
+                &secrets,
+                &keys,
+            ]
+            .concat()
+            .into_iter()
+            .chain(["--outbox-webhook", "https://h/hook/s3cret?token=s3cret"])
+            .collect(),
+            [
+                &[
+                    "idemkey",
+                    "gateway",
+                    "--upstream",
+                    "http://u",
+                    "--database-url",
+                    db,
+                ][..],
+                &secrets,
+                &keys,
+            ]
+            .concat(),
+            [
+                &["idemkey", "keys", "list", "--database-url", db][..],
+                &secrets,
+            ]
+            .concat(),
+            vec![
+                "idemkey",
+                "relay",
+                "--database-url",
+                db,
+                "--outbox-nats",
+                "nats://u:s3cret@n",
+                "--outbox-subject",
+                "s",
+            ],
+            vec!["idemkey", "bench", "--token", "s3cret"],
+        ];
+        for args in commands {
+            let cli = <Cli as clap::Parser>::try_parse_from(&args).expect("valid arguments");
+            let shown = format!("{cli:?}");
+            assert!(!shown.contains("s3cret"), "{shown}");
+            assert!(shown.contains("***"), "{shown}");
+        }
+    }
+
+    #[test]
+    fn the_bounds_themselves_are_accepted() {
+        assert_eq!(parse_retention("10years"), Ok(MAX_RETENTION));
+        assert_eq!(parse_retention("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_timeout("1day"), Ok(MAX_TIMEOUT));
+        assert_eq!(parse_size("1024MiB"), Ok(MAX_SIZE));
+    }
 }

@@ -2,6 +2,7 @@
 //! are the effects the layer protects.
 
 use std::future::Future;
+use std::path::Path;
 
 use idemkey_core::Store;
 use idemkey_core::outbox::OutboxStore;
@@ -12,6 +13,44 @@ use serde::Serialize;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::PgConnection;
 use sqlx::sqlite::SqliteConnection;
+
+/// Makes sure the SQLite file at `path` is readable by its owner only before SQLite opens
+/// it: it keeps the idempotency records and, by default, the key secret. A missing file is
+/// created empty with mode 0600, and SQLite gives its `-wal` and `-shm` files the same mode.
+/// An existing file keeps its mode (the operator chose it), with a warning when other users
+/// may read it.
+pub(crate) fn private_sqlite_file(path: &Path) -> anyhow::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+
+        let created = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path);
+        match created {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let mode = std::fs::metadata(path)?.permissions().mode() & 0o777;
+                if mode & 0o077 != 0 {
+                    let shown = path.display();
+                    eprintln!(
+                        "warning: {shown} is open to other users (mode {mode:o}); it holds the \
+                         idempotency records and may hold the key secret: `chmod 600 {shown}`"
+                    );
+                }
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e)
+                    .context(format!("cannot create the SQLite file {}", path.display())));
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
+}
 
 /// A payment, as stored and as answered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]

@@ -37,7 +37,7 @@ pub struct DemoOptions {
     /// Payments in flight at once.
     pub concurrency: usize,
     /// The database; `None`: a temporary SQLite file.
-    pub database_url: Option<String>,
+    pub database_url: Option<crate::secret::SecretUrl>,
     /// Seed of the proxy's losses, for a reproducible run.
     pub seed: Option<u64>,
     /// Hide the progress bar.
@@ -108,7 +108,7 @@ async fn start_server<S: AppDb>(db: S) -> anyhow::Result<SocketAddr> {
     rand::thread_rng().fill_bytes(&mut secret);
     let secrets = KeySecrets::new(secret.to_vec(), None);
     let config = AppConfig {
-        api_keys: ApiKeys::new([("demo".to_owned(), TOKEN.to_owned())]),
+        api_keys: ApiKeys::new([("demo".to_owned(), TOKEN.to_owned())])?,
         simulate_latency: Duration::ZERO,
         retention: Duration::from_secs(24 * 3600),
         in_flight: InFlightPolicy::default(),
@@ -141,7 +141,7 @@ async fn payments_total(http: &reqwest::Client, server: SocketAddr) -> anyhow::R
 pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
     let dir = tempfile::tempdir()?;
     let url = match &options.database_url {
-        Some(url) => url.clone(),
+        Some(url) => url.to_string(),
         None => format!("sqlite:{}", dir.path().join("demo.db").display()),
     };
     let db = connect(&url, 32, InFlightPolicy::DEFAULT_WAIT).await?;

@@ -28,7 +28,7 @@ mod problem;
 pub mod secret;
 mod serve;
 
-pub use self::auth::ApiKeys;
+pub use self::auth::{ApiKeys, DuplicateToken};
 pub use self::http_server::HttpLimits;
 
 /// The Rust samples of the README and of `docs/`, compiled by `cargo test --doc`: a sample

@@ -5,7 +5,7 @@ use idemkey_server::cli::{
     Cli, Command, GatewayArgs, InFlight, KeysCommand, OutboxCommand, PointOfNoReturn,
 };
 use idemkey_server::gateway::{GatewayOptions, RouteRule, Upstream};
-use idemkey_server::secret::check_before_start;
+use idemkey_server::secret::{check_before_start, check_given};
 use idemkey_server::{
     Database, ServeOptions, connect, keys, open_existing, serve, serve_with, with_store,
 };
@@ -190,13 +190,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             with_store!(db, store => idemkey_server::outbox::run(store, command, &mut out).await)
         }
         Command::Keys(command) => {
-            let db_args = match &command {
-                KeysCommand::List { db, .. }
-                | KeysCommand::Show { db, .. }
-                | KeysCommand::Evict { db, .. }
-                | KeysCommand::Resolve { db, .. }
-                | KeysCommand::Purge { db, .. } => db.clone(),
+            let (db_args, secret) = match &command {
+                KeysCommand::List { db, secret, .. }
+                | KeysCommand::Show { db, secret, .. }
+                | KeysCommand::Evict { db, secret, .. }
+                | KeysCommand::Resolve { db, secret, .. }
+                | KeysCommand::Purge { db, secret, .. } => (db.clone(), secret),
             };
+            check_given(secret)?;
             // Operator commands create nothing: no file, no tables, no secret.
             let url = db_args.database_url;
             let db = open_existing(&url, db_args.max_connections, DEFAULT_WAIT).await?;
@@ -231,9 +232,6 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
         anyhow::bail!(
             "--reconcile-url must contain {{key}}, e.g. http://svc/v1/transfers?idempotency_key={{key}}"
         );
-    }
-    if args.lease < std::time::Duration::from_millis(300) {
-        anyhow::bail!("--lease must be at least 300ms (it is renewed every third of it)");
     }
     Ok(GatewayOptions {
         listen: args.listen,

@@ -10,11 +10,13 @@ use idemkey_core::Timestamp;
 use idemkey_outbox::{
     Backoff, DeliveryError, Message, MessageFilter, MessageState, NatsConfig, NatsSink,
     OutboxAuditEntry, OutboxMetrics, Relay, RelayConfig, RelayTask, Sink, WebhookSink, envelope,
+    redact_sink_urls,
 };
 use tokio::sync::OnceCell;
 
 use crate::AppDb;
 use crate::cli::{MessageStateArg, OutboxArgs, OutboxCommand};
+use crate::secret::SecretUrl;
 
 /// Where messages go.
 #[derive(Debug, Clone)]
@@ -29,7 +31,7 @@ pub enum OutboxSink {
 /// A JetStream sink connected on first use.
 #[derive(Debug)]
 pub struct LazyNats {
-    url: String,
+    url: SecretUrl,
     config: NatsConfig,
     sink: OnceCell<NatsSink>,
 }
@@ -38,7 +40,7 @@ impl OutboxSink {
     /// The sink the arguments name, if any.
     pub fn from_args(args: &OutboxArgs) -> anyhow::Result<Option<Self>> {
         if let Some(url) = &args.outbox_webhook {
-            let sink = WebhookSink::with_timeout(url, args.outbox_delivery_timeout)
+            let sink = WebhookSink::with_timeout(url.expose(), args.outbox_delivery_timeout)
                 .map_err(|e| anyhow::anyhow!("--outbox-webhook: {e}"))?;
             return Ok(Some(Self::Webhook(sink)));
         }
@@ -59,7 +61,7 @@ impl OutboxSink {
     /// Where messages go, for the start-up line.
     pub fn describe(&self) -> String {
         match self {
-            Self::Webhook(sink) => format!("webhook POST {}", sink.url()),
+            Self::Webhook(sink) => format!("webhook POST {}", sink.redacted_url()),
             Self::Nats(nats) => format!(
                 "NATS JetStream {} subject {}",
                 crate::secret::redacted(&nats.url),
@@ -145,7 +147,7 @@ fn json(m: &Message) -> serde_json::Value {
         "created_at": time(m.created_at),
         "next_attempt_at": (m.state == MessageState::Pending).then(|| time(m.next_attempt_at)),
         "claimed_by": m.claimed_by,
-        "last_error": m.last_error,
+        "last_error": m.last_error.as_deref().map(redact_sink_urls),
         "sent_at": m.sent_at.map(time),
         "group": m.group,
     })
@@ -209,7 +211,7 @@ pub async fn run<S: AppDb>(
                     m.state.as_str(),
                     m.attempts,
                     time(m.created_at),
-                    m.last_error.as_deref().unwrap_or("-"),
+                    m.last_error.as_deref().map_or("-".into(), redact_sink_urls),
                 )?;
             }
             let n = messages.len();

@@ -84,18 +84,81 @@ pub enum SecretUse {
     Open,
 }
 
-/// `postgres://user:password@host/db` → `postgres://user:***@host/db`, for messages.
-pub(crate) fn redacted(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    match rest[..authority_end].rfind('@') {
-        Some(at) => match rest[..at].split_once(':') {
-            Some((user, _)) => format!("{scheme}://{user}:***{}", &rest[at..]),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
+/// A URL as messages show it: its password and credential query parameters hidden.
+pub(crate) use idemkey_core::redact_url as redacted;
+
+/// The shortest key secret `serve`, `gateway` and `keys` accept, in bytes.
+pub const MIN_SECRET_LEN: usize = 32;
+
+/// A secret given on the command line or in the environment (a key secret, an API token, a
+/// webhook URL): its `Debug` shows `***`, so that printing a configuration never prints it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SecretString(String);
+
+impl SecretString {
+    /// The secret itself.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for SecretString {
+    fn from(s: String) -> Self {
+        Self(s)
+    }
+}
+
+impl std::str::FromStr for SecretString {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for SecretString {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("\"***\"")
+    }
+}
+
+/// A URL that may carry credentials (a database's or a NATS server's): used as the text it
+/// is (it dereferences to `str`), but its `Debug` shows it [redacted](idemkey_core::redact_url).
+#[derive(Clone, PartialEq, Eq)]
+pub struct SecretUrl(String);
+
+impl SecretUrl {
+    /// The URL itself, credentials included.
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
+impl std::ops::Deref for SecretUrl {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for SecretUrl {
+    fn from(s: String) -> Self {
+        Self(s)
+    }
+}
+
+impl std::str::FromStr for SecretUrl {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", redacted(&self.0))
     }
 }
 
@@ -118,7 +181,42 @@ pub fn check_before_start(
     if postgres && args.key_secret.is_none() && args.key_secret_file.is_none() && !in_database {
         return Err(no_secret_to_start(&redacted(url)));
     }
-    Ok(())
+    check_given(args)
+}
+
+/// Every command that takes a key secret, before it opens anything: a given secret must be
+/// readable and at least [`MIN_SECRET_LEN`] bytes long.
+pub fn check_given(args: &KeySecretArgs) -> anyhow::Result<()> {
+    given_secrets(args).map(drop)
+}
+
+/// A secret's bytes.
+type Secret = Vec<u8>;
+
+/// The secrets `args` give: the current one (at least [`MIN_SECRET_LEN`] bytes) and the
+/// previous one. The previous one may be shorter: rotating away from a short secret is how
+/// an installation gets a long one.
+fn given_secrets(args: &KeySecretArgs) -> anyhow::Result<(Option<Secret>, Option<Secret>)> {
+    let current = given(
+        args.key_secret.as_ref().map(SecretString::expose),
+        args.key_secret_file.as_deref(),
+        "key-secret",
+    )?;
+    if let Some(secret) = &current
+        && secret.len() < MIN_SECRET_LEN
+    {
+        anyhow::bail!(
+            "the key secret is {} bytes long; it must be at least {MIN_SECRET_LEN} random bytes. \
+             Make one with `openssl rand -hex 32` or `head -c 32 /dev/urandom | base64`",
+            secret.len()
+        );
+    }
+    let previous = given(
+        args.previous_key_secret.as_ref().map(SecretString::expose),
+        args.previous_key_secret_file.as_deref(),
+        "previous-key-secret",
+    )?;
+    Ok((current, previous))
 }
 
 /// A secret from its flag or its file; both at once is an error.
@@ -169,16 +267,7 @@ pub async fn key_secrets<S: AppDb>(
     usage: SecretUse,
 ) -> anyhow::Result<KeySecrets> {
     let url = redacted(url);
-    let given_current = given(
-        args.key_secret.as_deref(),
-        args.key_secret_file.as_deref(),
-        "key-secret",
-    )?;
-    let given_previous = given(
-        args.previous_key_secret.as_deref(),
-        args.previous_key_secret_file.as_deref(),
-        "previous-key-secret",
-    )?;
+    let (given_current, given_previous) = given_secrets(args)?;
     let stored = db
         .setting(SETTING)
         .await
@@ -232,16 +321,6 @@ pub async fn key_secrets<S: AppDb>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn redacts_passwords() {
-        assert_eq!(
-            redacted("postgres://u:pw@h:5432/db"),
-            "postgres://u:***@h:5432/db"
-        );
-        assert_eq!(redacted("postgres://u@h/db"), "postgres://u@h/db");
-        assert_eq!(redacted("sqlite:none.db"), "sqlite:none.db");
-    }
 
     #[test]
     fn reads_secret_files_without_their_newline() {

@@ -25,7 +25,7 @@ use crate::cli::{KeySecretArgs, OutboxArgs};
 use crate::http_server::{self, HttpLimits};
 use crate::outbox::{OutboxSink, spawn_relay};
 use crate::problem::ApiError;
-use crate::secret::{KeySecrets, migrate_for_start, redacted};
+use crate::secret::{KeySecrets, SecretUrl, migrate_for_start, redacted};
 use crate::{ApiKeys, AppConfig, AppDb, app};
 
 /// A connected database of either kind.
@@ -51,6 +51,7 @@ pub async fn connect(
 ) -> anyhow::Result<Database> {
     if url.starts_with("sqlite:") {
         let file = sqlite_file(url)?;
+        crate::db::private_sqlite_file(&file)?;
         let store = RusqliteStore::open_with_busy_timeout(&file, lock_wait)
             .with_context(|| format!("cannot open the SQLite database {url}"))?;
         Ok(Database::Sqlite(store))
@@ -60,7 +61,10 @@ pub async fn connect(
             .with_context(|| format!("cannot connect to PostgreSQL at `{}`", redacted(url)))?;
         Ok(Database::Postgres(store))
     } else {
-        anyhow::bail!("unsupported database URL {url:?}: expected sqlite:<path> or postgres://…")
+        anyhow::bail!(
+            "unsupported database URL {:?}: expected sqlite:<path> or postgres://…",
+            redacted(url)
+        )
     }
 }
 
@@ -134,7 +138,7 @@ pub struct ServeOptions {
     /// Token → tenant; when empty, two demo tenants are made up and printed.
     pub api_keys: ApiKeys,
     /// The database URL, as messages name it.
-    pub database_url: String,
+    pub database_url: SecretUrl,
     /// The key secret (and the previous one); without one, see `key_secret_in_database`.
     pub secret: KeySecretArgs,
     /// Keep a secret in the database when none is given (SQLite does so by default).
@@ -167,7 +171,7 @@ fn demo_keys() -> ApiKeys {
     for (tenant, token) in &pairs {
         println!("  tenant {tenant:<7} Authorization: Bearer {token}");
     }
-    ApiKeys::new(pairs)
+    ApiKeys::new(pairs).expect("two random tokens differ")
 }
 
 /// Serves the payments API on `db` until SIGTERM or Ctrl-C (see [`serve_with`]).

@@ -239,7 +239,7 @@ impl Faults {
 async fn faulty_server(dir: &std::path::Path, on: On) -> (String, String, Faults) {
     let url = format!("sqlite:{}", dir.join("faulty.db").display());
     let config = AppConfig {
-        api_keys: ApiKeys::new([("t1".to_owned(), TOKEN1.to_owned())]),
+        api_keys: ApiKeys::new([("t1".to_owned(), TOKEN1.to_owned())]).unwrap(),
         simulate_latency: Duration::ZERO,
         retention: Duration::from_secs(24 * 3600),
         in_flight: InFlightPolicy::default(),

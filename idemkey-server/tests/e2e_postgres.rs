@@ -29,7 +29,7 @@ async fn keys_evict_reaches_every_instance_replay_cache() {
     use idemkey_tower::{IdempotencyLayer, Metrics, REPLAYED_HEADER, Tx};
     use tower::ServiceExt;
 
-    const SECRET: &str = "replay-cache-test-secret";
+    const SECRET: &str = "replay-cache-test-secret-0123456789abcdef";
     const WAIT: std::time::Duration = std::time::Duration::from_secs(20);
 
     async fn create(mut tx: Tx<PgStore>, _body: Bytes) -> Response {

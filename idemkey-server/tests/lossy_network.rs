@@ -8,7 +8,7 @@ async fn lossy_run(database_url: Option<String>) -> DemoReport {
         operations: 500,
         loss: 0.3,
         concurrency: 16,
-        database_url,
+        database_url: database_url.map(Into::into),
         seed: Some(30),
         quiet: true,
     })

@@ -5,6 +5,9 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
+/// A key secret of 32 bytes, as the server asks for.
+const SECRET: &str = "0123456789abcdef0123456789abcdef";
+
 /// Runs `idemkey` with `args` in `dir`, without the environment's idemkey settings.
 fn idemkey(dir: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_idemkey"))
@@ -93,7 +96,7 @@ fn keys_refuses_a_database_without_idemkey_tables_and_adds_none() {
     std::fs::write(&other, b"").unwrap(); // an empty SQLite database
     for command in [&["keys", "list"][..], &["keys", "purge"][..]] {
         let mut args = command.to_vec();
-        args.extend(["--database-url", "sqlite:other.db", "--key-secret", "x"]);
+        args.extend(["--database-url", "sqlite:other.db", "--key-secret", SECRET]);
         let output = idemkey(dir.path(), &args);
         assert!(!output.status.success(), "{args:?}");
         let message = stderr(&output);
@@ -113,7 +116,7 @@ fn keys_needs_the_secret_serve_was_given_and_makes_none() {
     let dir = tempfile::tempdir().unwrap();
     serve_once(
         dir.path(),
-        &["--database-url", "sqlite:given.db", "--key-secret", "X"],
+        &["--database-url", "sqlite:given.db", "--key-secret", SECRET],
     );
     for _ in 0..2 {
         // Twice: the first failure did not store a secret either.
@@ -135,13 +138,13 @@ fn keys_needs_the_secret_serve_was_given_and_makes_none() {
             "--database-url",
             "sqlite:given.db",
             "--key-secret",
-            "X",
+            SECRET,
         ],
     );
     assert!(output.status.success(), "{}", stderr(&output));
 
     // Given as a file (its newline trimmed), the same.
-    std::fs::write(dir.path().join("secret"), "X\n").unwrap();
+    std::fs::write(dir.path().join("secret"), format!("{SECRET}\n")).unwrap();
     let output = idemkey(
         dir.path(),
         &[
@@ -218,4 +221,260 @@ fn serve_on_postgres_refuses_to_start_without_a_secret() {
         "{}",
         stderr(&output)
     );
+}
+
+#[test]
+fn help_shows_no_secret_values_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let secrets = [
+        ("IDEMKEY_DATABASE_URL", "postgres://u:env-s3cret-db@h/db"),
+        ("IDEMKEY_KEY_SECRET", "env-s3cret-key"),
+        ("IDEMKEY_PREVIOUS_KEY_SECRET", "env-s3cret-previous"),
+        ("IDEMKEY_API_KEYS", "t=env-s3cret-token"),
+        ("IDEMKEY_OUTBOX_WEBHOOK", "https://h/env-s3cret-hook"),
+        ("IDEMKEY_OUTBOX_NATS", "nats://u:env-s3cret-nats@h"),
+        ("IDEMKEY_TOKEN", "env-s3cret-bench"),
+    ];
+    for command in [
+        &["serve", "--help"][..],
+        &["gateway", "--help"],
+        &["keys", "list", "--help"],
+        &["relay", "--help"],
+        &["bench", "--help"],
+        &["migrate", "--help"],
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_idemkey"))
+            .args(command)
+            .current_dir(dir.path())
+            .envs(secrets)
+            .output()
+            .expect("run idemkey");
+        assert!(output.status.success(), "{command:?}");
+        let help = String::from_utf8_lossy(&output.stdout);
+        assert!(help.contains("[env: IDEMKEY_"), "{command:?}: {help}");
+        assert!(!help.contains("s3cret"), "{command:?}: {help}");
+    }
+}
+
+#[test]
+fn a_key_secret_shorter_than_32_bytes_is_refused_with_how_to_make_one() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("short"), format!("{}\n", &SECRET[..31])).unwrap();
+    let short = &SECRET[..31];
+    for args in [
+        &["serve", "--key-secret", short][..],
+        &["serve", "--key-secret-file", "short"],
+        &[
+            "gateway",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--key-secret",
+            short,
+        ],
+        &["keys", "list", "--key-secret", short],
+    ] {
+        let output = idemkey(dir.path(), args);
+        assert!(!output.status.success(), "{args:?}");
+        let message = stderr(&output);
+        assert!(message.contains("31 bytes"), "{message}");
+        assert!(message.contains("at least 32"), "{message}");
+        assert!(message.contains("openssl rand -hex 32"), "{message}");
+        assert!(
+            !message.contains(short),
+            "the secret is not repeated: {message}"
+        );
+    }
+    // Refused before anything is created.
+    assert_eq!(files(dir.path()), vec!["short".to_owned()]);
+
+    // 32 bytes start; a shorter previous secret is accepted, so that a rotation away from
+    // a short secret works.
+    serve_once(
+        dir.path(),
+        &[
+            "--database-url",
+            "sqlite:long.db",
+            "--key-secret",
+            SECRET,
+            "--previous-key-secret",
+            "old",
+        ],
+    );
+}
+
+#[test]
+fn one_token_for_two_tenants_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for args in [
+        &[
+            "serve",
+            "--api-key",
+            "a=tok-shared",
+            "--api-key",
+            "b=tok-shared",
+        ][..],
+        &[
+            "gateway",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--api-key",
+            "a=tok-shared",
+        ],
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_idemkey"))
+            .args(args)
+            .args(["--key-secret", SECRET])
+            .current_dir(dir.path())
+            .env_remove("IDEMKEY_DATABASE_URL")
+            .env("IDEMKEY_API_KEYS", "b=tok-shared")
+            .output()
+            .expect("run idemkey");
+        assert!(!output.status.success(), "{args:?}");
+        let message = stderr(&output);
+        assert!(message.contains("same API token"), "{message}");
+        assert!(
+            message.contains("\"a\"") && message.contains("\"b\""),
+            "{message}"
+        );
+        assert!(!message.contains("tok-shared"), "{message}");
+    }
+    assert_eq!(files(dir.path()), Vec::<String>::new());
+}
+
+#[test]
+fn durations_and_sizes_that_cannot_hold_are_refused_when_parsed() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, says) in [
+        (
+            &["serve", "--retention", "9000years"][..],
+            "a retention is from 1s to 10years",
+        ),
+        (&["serve", "--retention", "0s"], "a retention is from 1s"),
+        (&["serve", "--retention", "500ms"], "a retention is from 1s"),
+        (
+            &["serve", "--wait-timeout", "300000000000years"],
+            "a time-out is from 1ms to 1day",
+        ),
+        (
+            &["serve", "--wait-timeout", "99999999999999999999999years"],
+            "invalid duration",
+        ),
+        (
+            &["serve", "--purge-interval", "0s"],
+            "an interval is from 10ms",
+        ),
+        (
+            &["serve", "--outbox-keep-sent", "0s"],
+            "a retention is from 1s",
+        ),
+        (
+            &[
+                "gateway",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--lease",
+                "100ms",
+            ],
+            "a lease is from 300ms",
+        ),
+        (
+            &[
+                "gateway",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--upstream-timeout",
+                "0s",
+            ],
+            "a time-out",
+        ),
+        (
+            &[
+                "gateway",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--max-request-body",
+                "0",
+            ],
+            "from 1 byte to 1GiB",
+        ),
+        (
+            &[
+                "gateway",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--max-stored-response",
+                "2000MiB",
+            ],
+            "from 1 byte to 1GiB",
+        ),
+        (
+            &["keys", "list", "--older-than", "11years"],
+            "an age is from 0s to 10years",
+        ),
+    ] {
+        // Were the value accepted, the command would stop at the missing directory (exit
+        // status 1) rather than serve.
+        let mut args = args.to_vec();
+        args.extend(["--database-url", "sqlite:missing/x.db"]);
+        let output = idemkey(dir.path(), &args);
+        let message = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {message}");
+        assert!(message.contains(says), "{args:?}: {message}");
+        assert!(!message.contains("panicked"), "{args:?}: {message}");
+    }
+    assert_eq!(files(dir.path()), Vec::<String>::new());
+}
+
+#[test]
+fn database_url_credentials_are_not_printed() {
+    let dir = tempfile::tempdir().unwrap();
+    // Port 1 refuses the connection; the message names the URL without its password.
+    for url in [
+        "postgres://app@127.0.0.1:1/db?sslmode=disable&password=qs3cret",
+        "postgres://app:us3cret@127.0.0.1:1/db",
+        "mysql://app:us3cret@127.0.0.1:1/db",
+    ] {
+        let output = idemkey(
+            dir.path(),
+            &[
+                "keys",
+                "list",
+                "--database-url",
+                url,
+                "--key-secret",
+                SECRET,
+            ],
+        );
+        assert!(!output.status.success(), "{url}");
+        let message = stderr(&output);
+        assert!(message.contains("127.0.0.1:1/db"), "{message}");
+        assert!(!message.contains("s3cret"), "{message}");
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn sqlite_files_are_created_readable_by_their_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+
+    let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    let dir = tempfile::tempdir().unwrap();
+    // The database keeps the key secret it generated: nobody else may read it.
+    serve_once(dir.path(), &["--database-url", "sqlite:made.db"]);
+    for name in ["made.db", "made.db-wal", "made.db-shm"] {
+        assert_eq!(mode(&dir.path().join(name)), 0o600, "{name}");
+    }
+
+    // An existing file keeps the mode its operator chose, with a warning.
+    let open = dir.path().join("open.db");
+    std::fs::write(&open, b"").unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let output = idemkey(dir.path(), &["migrate", "--database-url", "sqlite:open.db"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("open to other users (mode 644)"),
+        "{}",
+        stderr(&output)
+    );
+    assert_eq!(mode(&open), 0o644);
 }

@@ -79,6 +79,25 @@ async fn read_outbox(backend: &Backend) -> (Vec<Row>, Vec<String>) {
 }
 
 /// Waits (bounded) until no message is pending; returns the outbox and the payments.
+/// The delivery errors the outbox keeps, as stored.
+async fn stored_errors(backend: &Backend) -> Vec<String> {
+    let sql = "SELECT last_error FROM idemkey_outbox WHERE last_error IS NOT NULL";
+    match backend.kind() {
+        Kind::Sqlite => {
+            let pool = sqlx::SqlitePool::connect(backend.url()).await.unwrap();
+            let errors = sqlx::query_scalar(sql).fetch_all(&pool).await.unwrap();
+            pool.close().await;
+            errors
+        }
+        Kind::Postgres => {
+            let pool = sqlx::PgPool::connect(backend.url()).await.unwrap();
+            let errors = sqlx::query_scalar(sql).fetch_all(&pool).await.unwrap();
+            pool.close().await;
+            errors
+        }
+    }
+}
+
 async fn until_delivered(backend: &Backend) -> (Vec<Row>, Vec<String>) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -283,7 +302,9 @@ async fn operator_commands_and_the_relay_process(backend: Backend) {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap()
     };
-    let dead_hook = format!("http://{closed}/hooks");
+    // A webhook URL carries its token (here in the path and the query): it is never
+    // printed, logged or stored.
+    let dead_hook = format!("http://{closed}/hooks/path-s3cret?token=query-s3cret");
     let server = backend
         .start(&["--outbox-webhook", &dead_hook, "--outbox-max-attempts", "1"])
         .await;
@@ -336,6 +357,9 @@ async fn operator_commands_and_the_relay_process(backend: Backend) {
             .await
             >= 2
     );
+    let printed = format!("{}\n{}", server.stdout().join("\n"), server.log());
+    assert!(printed.contains("outbox delivery failed"), "{printed}");
+    assert!(!printed.contains("s3cret"), "{printed}");
     drop(server);
 
     let (ok, table, _) = cli(&["outbox", "list", "--database-url", url]);
@@ -344,8 +368,13 @@ async fn operator_commands_and_the_relay_process(backend: Backend) {
         table.contains(&ids[0]) && table.contains("dead") && table.contains("(2 messages)"),
         "{table}"
     );
+    assert!(!table.contains("s3cret"), "{table}");
     let (ok, shown, _) = cli(&["outbox", "show", "--database-url", url, &ids[0]]);
     assert!(ok);
+    assert!(!shown.contains("s3cret"), "{shown}");
+    let stored = stored_errors(&backend).await;
+    assert_eq!(stored.len(), 2, "{stored:?}");
+    assert!(stored.iter().all(|e| !e.contains("s3cret")), "{stored:?}");
     let shown: serde_json::Value = serde_json::from_str(&shown).unwrap();
     assert_eq!(shown["state"], "dead");
     assert_eq!(shown["attempts"], 1);

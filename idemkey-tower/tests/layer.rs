@@ -951,3 +951,37 @@ async fn a_duplicate_waiting_in_memory_is_counted_until_it_goes() {
     assert_eq!(second.body, first.body);
     assert_eq!(metrics.waiting_in_process(), 0);
 }
+
+#[tokio::test]
+async fn a_far_future_expiry_is_answered_and_replayed_without_a_panic() {
+    let (_dir, store) = setup().await;
+    // The largest bounds a library user can give: the record expires past what any date
+    // can spell, and a retry waits as long as the clock can count.
+    let layer = layer(&store)
+        .retention(Duration::MAX)
+        .in_flight(idemkey_tower::InFlightPolicy::Wait(Duration::MAX))
+        .required();
+    let app = app(layer).merge(status_router(store.clone(), hasher()));
+
+    let first = send(&app, request(Some("k-far"), r#"{"status": 201}"#)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "body: {:?}", first.body);
+    assert_eq!(
+        first.header(EXPIRES_HEADER),
+        Some("Fri, 31 Dec 9999 23:59:59 GMT")
+    );
+    let replay = send(&app, request(Some("k-far"), r#"{"status": 201}"#)).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(replay.header(EXPIRES_HEADER), first.header(EXPIRES_HEADER));
+
+    let status = Request::get("/idempotency/v1/keys/k-far")
+        .body(Body::empty())
+        .unwrap();
+    let view = send(&app, status).await;
+    assert_eq!(view.status, StatusCode::OK, "body: {:?}", view.body);
+    assert_eq!(
+        view.json()["records"][0]["expires_at"],
+        "9999-12-31T23:59:59.999Z"
+    );
+    assert_eq!(effects(&store).await, 1);
+}

@@ -233,9 +233,7 @@ impl TenantSource {
         match self {
             Self::ApiKeys(keys) => headers
                 .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .and_then(|token| keys.tenant(token.trim()))
+                .and_then(|v| keys.tenant_of_authorization(v))
                 .map(str::to_owned)
                 .ok_or(ApiError::Unauthorized),
             Self::Header(name) => {
@@ -293,7 +291,7 @@ pub struct GatewayOptions {
     /// Where each request's tenant comes from.
     pub tenants: TenantSource,
     /// The database URL, as messages name it.
-    pub database_url: String,
+    pub database_url: crate::secret::SecretUrl,
     /// The key secret (and the previous one); without one, see `key_secret_in_database`.
     pub secret: KeySecretArgs,
     /// Keep a secret in the database when none is given (SQLite does so by default).
@@ -526,7 +524,7 @@ mod tests {
     #[test]
     fn tenant_sources() {
         use http::HeaderMap;
-        let keys = ApiKeys::new([("acme".to_owned(), "tok".to_owned())]);
+        let keys = ApiKeys::new([("acme".to_owned(), "tok".to_owned())]).unwrap();
         let none = TenantSource::from_flags(ApiKeys::default(), None, None).unwrap_err();
         assert!(none.contains("--tenant-header"), "{none}");
         assert!(TenantSource::from_flags(keys.clone(), Some("X-Tenant"), None).is_err());

@@ -377,6 +377,11 @@ impl Server {
         self.stdout.lock().unwrap().clone()
     }
 
+    /// The server's whole log (stderr) so far.
+    pub(crate) fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     /// The end of the server's log (stderr).
     pub(crate) fn log_tail(&self) -> String {
         tail(&self.log, 40)

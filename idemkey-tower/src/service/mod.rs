@@ -264,7 +264,11 @@ impl<S: Store> Keyed<S> {
         let InFlightPolicy::Wait(bound) = self.config.in_flight else {
             return Ok((None, None));
         };
-        let deadline = tokio::time::Instant::now() + bound;
+        // A bound past what the clock can count waits as long as a century (no overflow).
+        let now = tokio::time::Instant::now();
+        let deadline = now
+            .checked_add(bound)
+            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400));
         let config = self.config.clone();
         let mut waited = false;
         loop {
