@@ -74,6 +74,7 @@ pub fn claim_at(id: &RecordId, body: u8, now: Timestamp) -> Claim {
         now,
         retention: RETENTION,
         sealed_key: None,
+        first_sent: None,
     }
 }
 
@@ -264,6 +265,7 @@ pub async fn claims_fresh_key_then_replays<H: Harness>(h: H) {
         ClaimOutcome::Replay {
             response: response("{\"id\":1}"),
             expires_at: now.plus(RETENTION),
+            first_sent: None,
         }
     );
     assert_eq!(h.count_effects().await, 1);
@@ -290,6 +292,7 @@ pub async fn claim_on_completed_key_returns_the_record<H: Harness>(h: H) {
         now,
         expires_at: now.plus(RETENTION),
         sealed_key: None,
+        first_sent: None,
     };
     let mut tx = store.begin().await.expect("begin");
     let found = store.insert(&mut tx, &new).await.expect("insert");
@@ -300,6 +303,7 @@ pub async fn claim_on_completed_key_returns_the_record<H: Harness>(h: H) {
     let replay = ClaimOutcome::Replay {
         response: response("{\"id\":1}"),
         expires_at: now.plus(RETENTION),
+        first_sent: None,
     };
     assert_eq!(outcome, replay);
     store.commit(tx).await.expect("commit");

@@ -65,7 +65,7 @@ async fn unknown_records<S: AppDb>(gw: &Gateway<S>) -> anyhow::Result<Vec<Record
     }
     records.retain(|r| {
         matches!(
-            decide(Some(r), &r.fingerprint, now),
+            decide(Some(r), &r.fingerprint, r.first_sent, now),
             Decision::OutcomeUnknown { .. }
         )
     });

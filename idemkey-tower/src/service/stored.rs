@@ -83,6 +83,7 @@ pub(super) fn answer_claim(
         ClaimOutcome::Replay {
             response,
             expires_at,
+            ..
         } => return (Outcome::Replayed, replay(response, expires_at)),
         ClaimOutcome::Mismatch {
             mismatch,
