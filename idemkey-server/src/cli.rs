@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use idemkey_core::{FirstSentPolicy, FirstSentRequirement};
 
 use crate::ApiKeys;
 
@@ -332,6 +333,9 @@ pub struct ServeArgs {
     /// Where outbox messages go.
     #[command(flatten)]
     pub outbox: OutboxArgs,
+    /// How the first attempt's time is read.
+    #[command(flatten)]
+    pub first_sent: FirstSentArgs,
 }
 
 impl ServeArgs {
@@ -466,6 +470,9 @@ pub struct GatewayArgs {
     /// Tests and demos: milliseconds to wait after the reservation, before connecting.
     #[arg(long, value_name = "MS", default_value_t = 0, hide = true)]
     pub simulate_delay_before_forward: u64,
+    /// How the first attempt's time is read.
+    #[command(flatten)]
+    pub first_sent: FirstSentArgs,
 }
 
 impl GatewayArgs {
@@ -473,6 +480,43 @@ impl GatewayArgs {
     pub fn all_api_keys(&self) -> Result<ApiKeys, String> {
         all_api_keys(&self.api_keys, self.api_keys_env.as_deref())
     }
+}
+
+/// The first attempt's time (`Repeatability-First-Sent`), as `serve` and `gateway` read it.
+#[derive(Debug, Clone, Args)]
+pub struct FirstSentArgs {
+    /// Whether keyed requests must state their first attempt's time in
+    /// Repeatability-First-Sent. One that states a time older than the retention less the
+    /// skew margin is refused with 412 unless a live record answers it.
+    #[arg(long = "first-sent", value_enum, default_value_t = FirstSentArg::Optional)]
+    pub requirement: FirstSentArg,
+    /// How far client and server clocks may disagree: a first-sent time further ahead is
+    /// refused (400), and up to this much (at most a quarter of --retention) is taken off the
+    /// retention before a first attempt counts as too old.
+    #[arg(long = "first-sent-skew", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub skew: Duration,
+}
+
+impl FirstSentArgs {
+    /// The policy these flags name.
+    pub fn policy(&self) -> FirstSentPolicy {
+        FirstSentPolicy {
+            requirement: match self.requirement {
+                FirstSentArg::Optional => FirstSentRequirement::Optional,
+                FirstSentArg::Required => FirstSentRequirement::Required,
+            },
+            skew: self.skew,
+        }
+    }
+}
+
+/// `--first-sent`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FirstSentArg {
+    /// A keyed request may state it.
+    Optional,
+    /// A keyed request without it is refused (400 first-sent-missing).
+    Required,
 }
 
 /// Record states, as the CLI names them.

@@ -112,6 +112,7 @@ async fn start_server<S: AppDb>(db: S) -> anyhow::Result<SocketAddr> {
         simulate_latency: Duration::ZERO,
         retention: Duration::from_secs(24 * 3600),
         in_flight: InFlightPolicy::default(),
+        first_sent: Default::default(),
         outbox: None,
     };
     let router = app(db, &secrets, Metrics::new(), &config);

@@ -12,6 +12,7 @@ use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use idemkey_outbox::OutboxMetrics;
+use idemkey_core::FirstSentPolicy;
 use idemkey_tower::{InFlightPolicy, Metrics};
 
 mod auth;
@@ -90,6 +91,8 @@ pub struct AppConfig {
     pub retention: Duration,
     /// What a retry gets while the first attempt runs.
     pub in_flight: InFlightPolicy,
+    /// How keyed requests' first-attempt times are read and judged.
+    pub first_sent: FirstSentPolicy,
     /// With an outbox sink: each succeeded payment enqueues a `payment.succeeded` message,
     /// and `/metrics` shows these counters too.
     pub outbox: Option<OutboxMetrics>,
@@ -111,6 +114,8 @@ pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &App
         .layer(db.clone())
         .retention(config.retention)
         .in_flight(config.in_flight)
+        .first_sent(config.first_sent.requirement)
+        .first_sent_skew(config.first_sent.skew)
         .metrics(metrics.clone());
     let state = AppState {
         db: db.clone(),

@@ -63,6 +63,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 },
                 purge_interval: args.purge_interval,
                 outbox: args.outbox.clone(),
+                first_sent: args.first_sent.policy(),
             };
             // Under `reject`, SQLite still waits for its single write lock (the default busy
             // time-out): refusing at once would refuse every concurrent write, any key.
@@ -250,6 +251,7 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
         max_request_body: args.max_request_body,
         max_stored_response: args.max_stored_response,
         retention: args.retention,
+        first_sent: args.first_sent.policy(),
         api_keys: args.all_api_keys().map_err(anyhow::Error::msg)?,
         database_url: args.database_url.clone(),
         secret: args.secret.clone(),

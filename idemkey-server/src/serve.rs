@@ -12,7 +12,7 @@ use anyhow::Context;
 use axum::Router;
 use axum::extract::Request;
 use axum::response::IntoResponse;
-use idemkey_core::{StoreError, SystemClock};
+use idemkey_core::{FirstSentPolicy, StoreError, SystemClock};
 use idemkey_outbox::OutboxMetrics;
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::RusqliteStore;
@@ -144,6 +144,8 @@ pub struct ServeOptions {
     pub retention: Duration,
     /// What a retry gets while the first attempt runs.
     pub in_flight: InFlightPolicy,
+    /// How keyed requests' first-attempt times are read and judged.
+    pub first_sent: FirstSentPolicy,
     /// How often expired records are purged.
     pub purge_interval: Duration,
     /// Where outbox messages go; without a sink, payments emit none.
@@ -236,6 +238,7 @@ where
         simulate_latency: options.simulate_latency,
         retention: options.retention,
         in_flight: options.in_flight,
+        first_sent: options.first_sent,
         outbox: outbox_metrics.clone(),
     };
     let purge_interval = options.purge_interval;
