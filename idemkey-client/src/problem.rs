@@ -57,6 +57,9 @@ pub mod types {
     /// [`UPSTREAM_FAILED`](registry::UPSTREAM_FAILED): gateway, request without a key: no complete
     /// answer came back.
     pub const UPSTREAM_FAILED: &str = registry::UPSTREAM_FAILED.uri;
+    /// [`FIRST_SENT_EXPIRED`](registry::FIRST_SENT_EXPIRED): the first attempt is older than
+    /// the server's retention and no record of it is kept; it was not run again.
+    pub const FIRST_SENT_EXPIRED: &str = registry::FIRST_SENT_EXPIRED.uri;
     /// The RFC 9457 default when a problem names no type.
     pub const ABOUT_BLANK: &str = "about:blank";
 }

@@ -177,6 +177,10 @@ pub struct DemoArgs {
     /// Seed of the losses, for a reproducible run.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Retry the lost answers a day late: after the server's clock has passed the retention
+    /// and the purge ran. Each is refused (412) or settled by the payment's reference (409).
+    #[arg(long)]
+    pub late: bool,
 }
 
 /// `idemkey bench`.

@@ -164,6 +164,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 database_url: args.database_url,
                 seed: args.seed,
                 quiet: false,
+                late: args.late,
             })
             .await?;
             print!("{}", report.render());

@@ -239,6 +239,7 @@ where
         retention: options.retention,
         in_flight: options.in_flight,
         first_sent: options.first_sent,
+        clock: Arc::new(SystemClock),
         outbox: outbox_metrics.clone(),
     };
     let purge_interval = options.purge_interval;
