@@ -666,7 +666,11 @@ mod tests {
     fn first_sent_stated_on_one_side_only_still_replays() {
         let mut r = record(RecordState::Completed, None);
         r.first_sent = Some(Timestamp(100));
-        for (stored, stated) in [(Some(Timestamp(100)), Some(Timestamp(100))), (Some(Timestamp(100)), None), (None, Some(Timestamp(100)))] {
+        for (stored, stated) in [
+            (Some(Timestamp(100)), Some(Timestamp(100))),
+            (Some(Timestamp(100)), None),
+            (None, Some(Timestamp(100))),
+        ] {
             r.first_sent = stored;
             assert!(
                 matches!(decide(Some(&r), &fp(1), stated, NOW), Decision::Replay(_)),

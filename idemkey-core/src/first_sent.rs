@@ -175,7 +175,12 @@ mod tests {
     #[test]
     fn refuses_malformed_repeated_and_future_times() {
         let p = FirstSentPolicy::default();
-        for bad in ["", "yesterday", "1700000000", "Tue, 14 Nov 2023 25:13:20 GMT"] {
+        for bad in [
+            "",
+            "yesterday",
+            "1700000000",
+            "Tue, 14 Nov 2023 25:13:20 GMT",
+        ] {
             assert_eq!(read(p, &[bad]), Err(FirstSentError::Malformed), "{bad:?}");
         }
         let twice = ["Tue, 14 Nov 2023 22:13:20 GMT"; 2];

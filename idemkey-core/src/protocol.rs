@@ -272,9 +272,15 @@ async fn claim_after<S: Store>(
                 Err(e) => return Err(e.into()),
             },
             decision => {
-                if let Some(answer) =
-                    answer_from(store, conn, &record.id, decision, existing.as_ref(), claim.now)
-                        .await?
+                if let Some(answer) = answer_from(
+                    store,
+                    conn,
+                    &record.id,
+                    decision,
+                    existing.as_ref(),
+                    claim.now,
+                )
+                .await?
                 {
                     return Ok(answer);
                 }

@@ -91,10 +91,11 @@ impl DemoReport {
     /// Every logical payment succeeded and exists exactly once; late, every retry was
     /// refused or settled by its reference instead of creating the payment again.
     pub fn is_exact(&self) -> bool {
-        let settled = self.late.as_ref().map_or(0, |l| {
-            (l.refused + l.settled_by_reference == l.retried).then_some(l.retried)
-                .unwrap_or(u64::MAX)
-        });
+        let settled = match &self.late {
+            None => 0,
+            Some(l) if l.refused + l.settled_by_reference == l.retried => l.retried,
+            Some(_) => return false,
+        };
         self.failures.is_empty()
             && self.succeeded.saturating_add(settled) == self.operations
             && self.payments_created == self.operations as i64
@@ -158,7 +159,11 @@ impl SkippedClock {
 
 impl Clock for SkippedClock {
     fn now(&self) -> Timestamp {
-        Timestamp(Timestamp::now().as_millis().saturating_add(self.0.load(Ordering::SeqCst)))
+        Timestamp(
+            Timestamp::now()
+                .as_millis()
+                .saturating_add(self.0.load(Ordering::SeqCst)),
+        )
     }
 }
 
@@ -278,7 +283,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
             async move {
                 // One logical payment = one key, made before the first attempt.
                 let op = Operation::new();
-                let request = client.inner().post(&url).bearer_auth(TOKEN).json(&payment_body(i));
+                let request = client
+                    .inner()
+                    .post(&url)
+                    .bearer_auth(TOKEN)
+                    .json(&payment_body(i));
                 let result = match client.send(&op, request).await {
                     Ok(response) => {
                         attempts.fetch_add(u64::from(response.attempts()), Ordering::Relaxed);
@@ -334,12 +343,22 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
             if l.i % 2 == 0 {
                 // The client, resuming the operation: it states the first attempt's time.
                 let op = Operation::resume(l.key.clone(), l.first_attempt_at)?;
-                let request = client.inner().post(&direct).bearer_auth(TOKEN).json(&payment_body(l.i));
+                let request = client
+                    .inner()
+                    .post(&direct)
+                    .bearer_auth(TOKEN)
+                    .json(&payment_body(l.i));
                 match client.send(&op, request).await {
-                    Err(Error::FirstSentExpired { problem, .. }) if problem.is(FIRST_SENT_EXPIRED.uri) => {
+                    Err(Error::FirstSentExpired { problem, .. })
+                        if problem.is(FIRST_SENT_EXPIRED.uri) =>
+                    {
                         report.refused += 1;
                     }
-                    other => failures.push(format!("late payment {}: {:?}", l.i, other.map(|r| r.status()))),
+                    other => failures.push(format!(
+                        "late payment {}: {:?}",
+                        l.i,
+                        other.map(|r| r.status())
+                    )),
                 }
             } else {
                 // A client of its own: the same key, without the first attempt's time.

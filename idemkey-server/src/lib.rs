@@ -12,8 +12,8 @@ use axum::extract::State;
 use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use idemkey_outbox::OutboxMetrics;
 use idemkey_core::{Clock, FirstSentPolicy};
+use idemkey_outbox::OutboxMetrics;
 use idemkey_tower::{InFlightPolicy, Metrics};
 
 mod auth;

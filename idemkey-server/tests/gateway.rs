@@ -1429,7 +1429,11 @@ async fn late_retries_are_refused_and_never_forwarded() {
     let retry = client.transfer_first_sent("late-1", now).await;
     retry.assert_problem(412, "first-sent-expired");
     assert_eq!(retry.header("repeatability-result"), Some("rejected"));
-    assert_eq!(upstream.effects("late-1"), 1, "the late retry was not forwarded");
+    assert_eq!(
+        upstream.effects("late-1"),
+        1,
+        "the late retry was not forwarded"
+    );
 
     let long_ago = now - Duration::from_secs(3600);
     let storm = join_all((0..16).map(|_| client.transfer_first_sent("late-storm", long_ago))).await;

@@ -69,7 +69,10 @@ fn blinked() -> Response {
     let body = serde_json::json!({"type": p.uri, "title": p.title, "status": p.status});
     (
         http::StatusCode::SERVICE_UNAVAILABLE,
-        [("content-type", problem::PROBLEM_JSON), ("retry-after", "0")],
+        [
+            ("content-type", problem::PROBLEM_JSON),
+            ("retry-after", "0"),
+        ],
         body.to_string(),
     )
         .into_response()
@@ -142,7 +145,10 @@ async fn a_used_reference_is_answered_with_the_existing_payment() {
     let created = client.send(&op, request).await.unwrap();
     assert_eq!(created.status(), 201);
     let id: serde_json::Value = serde_json::from_slice(created.body()).unwrap();
-    assert!(seen.lock().unwrap().iter().all(Option::is_some), "every attempt stated it");
+    assert!(
+        seen.lock().unwrap().iter().all(Option::is_some),
+        "every attempt stated it"
+    );
 
     let http = reqwest::Client::new();
     for _ in 0..2 {

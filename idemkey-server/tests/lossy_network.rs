@@ -75,10 +75,20 @@ async fn late_retries_after_the_purge_create_nothing_twice() {
     assert!(report.failures.is_empty(), "{:?}", report.failures);
     let late = report.late.as_ref().expect("a late report");
     assert!(late.retried > 20, "answers were lost: {report:?}");
-    assert!(late.refused > 0 && late.settled_by_reference > 0, "{late:?}");
+    assert!(
+        late.refused > 0 && late.settled_by_reference > 0,
+        "{late:?}"
+    );
     assert_eq!(late.refused + late.settled_by_reference, late.retried);
     assert_eq!(report.succeeded + late.retried, 200);
-    assert_eq!(report.payments_created, 200, "each payment exists exactly once");
+    assert_eq!(
+        report.payments_created, 200,
+        "each payment exists exactly once"
+    );
     assert!(report.is_exact());
-    assert!(report.render().contains("VERDICT: OK"), "{}", report.render());
+    assert!(
+        report.render().contains("VERDICT: OK"),
+        "{}",
+        report.render()
+    );
 }

@@ -189,7 +189,8 @@ fn claim_statement(r: &NewRecord) -> Option<String> {
     sql.int(r.expires_at.as_millis()).push(", ");
     sql.opt_bytes(r.sealed_key.as_deref()).push(", ");
     sql.opt_bytes(members.as_deref()).push(", ");
-    sql.opt_int(r.first_sent.map(Timestamp::as_millis)).push(")");
+    sql.opt_int(r.first_sent.map(Timestamp::as_millis))
+        .push(")");
     Some(sql.0)
 }
 

@@ -618,10 +618,18 @@ pub async fn late_lookup_after_purge_finds_nothing_and_writes_nothing<H: Harness
     let live = protocol::lookup(&store, &id, &first.fingerprint, first.first_sent, then)
         .await
         .expect("look up");
-    assert!(matches!(live, Some(ClaimOutcome::Replay { .. })), "{live:?}");
+    assert!(
+        matches!(live, Some(ClaimOutcome::Replay { .. })),
+        "{live:?}"
+    );
 
     let now = Timestamp::now();
-    assert_eq!(protocol::purge_expired(&store, now, 100).await.expect("purge"), 1);
+    assert_eq!(
+        protocol::purge_expired(&store, now, 100)
+            .await
+            .expect("purge"),
+        1
+    );
     let barrier = Arc::new(Barrier::new(32));
     let tasks: Vec<_> = (0..32)
         .map(|_| {

@@ -245,6 +245,7 @@ impl ReplayCache {
     /// answering `response`
     /// until `expires_at`. Dropped when an invalidation came after `ticket`, or when the
     /// entry alone is larger than a shard may hold.
+    #[allow(clippy::too_many_arguments)] // the parts of the record it keeps, one by one
     pub(crate) fn insert(
         &self,
         ticket: Ticket,
@@ -444,7 +445,15 @@ mod tests {
         let ticket = cache.ticket();
         cache.apply(EvictionNotice::Evicted(id("a").digest()));
         let expires = T0.plus(Duration::from_secs(3600));
-        cache.insert(ticket, &id("a"), &fp("{}"), None, &response("ok"), expires, T0);
+        cache.insert(
+            ticket,
+            &id("a"),
+            &fp("{}"),
+            None,
+            &response("ok"),
+            expires,
+            T0,
+        );
         assert_eq!(cache.len(), 0);
     }
 

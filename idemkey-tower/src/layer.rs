@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use http::HeaderName;
 use idemkey_core::{
-    AnswerRule, Clock, FingerprintSpec, FirstSentPolicy, FirstSentRequirement, KeyHasher,
-    RecordId, SystemClock,
+    AnswerRule, Clock, FingerprintSpec, FirstSentPolicy, FirstSentRequirement, KeyHasher, RecordId,
+    SystemClock,
 };
 use tower_layer::Layer;
 

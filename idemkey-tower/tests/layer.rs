@@ -1028,12 +1028,10 @@ async fn a_current_first_sent_runs_once_on_a_short_retention() {
 async fn a_late_retry_of_a_live_record_replays() {
     let (_dir, store) = setup().await;
     let clock = ManualClock::new();
-    let app = app(
-        layer(&store)
-            .retention(HOUR)
-            .no_replay_cache()
-            .clock(clock.clone()),
-    );
+    let app = app(layer(&store)
+        .retention(HOUR)
+        .no_replay_cache()
+        .clock(clock.clone()));
     let sent = clock.now();
     send(&app, sent_at("k-live", r#"{"status": 201}"#, sent)).await;
     // Inside the retention, past the retention less the 5 min margin.
@@ -1067,11 +1065,9 @@ async fn refuses_future_malformed_and_missing_first_sent_with_400() {
         .await
         .problem(StatusCode::BAD_REQUEST, "first-sent-invalid");
 
-    let required = app(
-        layer(&store)
-            .first_sent(idemkey_core::FirstSentRequirement::Required)
-            .clock(clock.clone()),
-    );
+    let required = app(layer(&store)
+        .first_sent(idemkey_core::FirstSentRequirement::Required)
+        .clock(clock.clone()));
     let missing = send(&required, request(Some("k-missing"), "{}")).await;
     missing.problem(StatusCode::BAD_REQUEST, "first-sent-missing");
     assert_eq!(missing.header("repeatability-result"), None);

@@ -107,8 +107,15 @@ where
             let fields = req.headers().get_all(FIRST_SENT_HEADER);
             let stated = fields.iter().next().is_some();
             let now = config.clock.now();
-            match config.first_sent.read(fields.iter().map(HeaderValue::as_bytes), now) {
-                Ok(first_sent) => Keyed::new(layer, key, first_sent, stated).run(inner, req).await,
+            match config
+                .first_sent
+                .read(fields.iter().map(HeaderValue::as_bytes), now)
+            {
+                Ok(first_sent) => {
+                    Keyed::new(layer, key, first_sent, stated)
+                        .run(inner, req)
+                        .await
+                }
                 Err(e) => {
                     let mut response =
                         refused(&config, req, IdempotencyRejection::FirstSent(e)).await;
@@ -296,13 +303,25 @@ impl<S: Store> Keyed<S> {
     ) {
         if let Some(cache) = &self.config.cache {
             let now = self.config.clock.now();
-            cache.insert(self.ticket, id, fingerprint, first_sent, response, expires_at, now);
+            cache.insert(
+                self.ticket,
+                id,
+                fingerprint,
+                first_sent,
+                response,
+                expires_at,
+                now,
+            );
         }
     }
 
     /// What the record `id` answers this request, read without a claim
     /// ([`protocol::lookup`]); a store failure is the answer.
-    async fn look_up(&self, id: &RecordId, claim: &Claim) -> Result<Option<ClaimOutcome>, Response> {
+    async fn look_up(
+        &self,
+        id: &RecordId,
+        claim: &Claim,
+    ) -> Result<Option<ClaimOutcome>, Response> {
         let store = &self.layer.store;
         match protocol::lookup(store, id, &claim.fingerprint, claim.first_sent, claim.now).await {
             Ok(outcome) => Ok(outcome),
@@ -430,7 +449,8 @@ impl<S: Store> Keyed<S> {
                 self.ticket = cache.ticket();
                 for id in std::iter::once(&claim.id).chain(&previous_id) {
                     let first_sent = claim.first_sent;
-                    if let Some(outcome) = cache.answer(id, &claim.fingerprint, first_sent, claim.now)
+                    if let Some(outcome) =
+                        cache.answer(id, &claim.fingerprint, first_sent, claim.now)
                     {
                         // Not filled again: an entry's trust is counted from the store read.
                         config.metrics.replay_cache_hit();
