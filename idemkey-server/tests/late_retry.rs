@@ -20,12 +20,16 @@ const TOKEN: &str = "tok-late";
 /// What the server saw of each attempt: its `Repeatability-First-Sent`.
 type Seen = Arc<Mutex<Vec<Option<String>>>>;
 
-/// The payments API with a one-hour retention on a fresh SQLite file, served on loopback.
-/// Its first keyed attempt is answered 503 `store-unavailable` before it reaches the API
-/// (a database that blinked), so an operation makes two attempts.
-async fn server(dir: &std::path::Path) -> (String, Seen) {
+/// A fresh SQLite file (kept while the directory lives).
+async fn sqlite(dir: &std::path::Path) -> SqliteStore {
     let url = format!("sqlite:{}", dir.join("late.db").display());
-    let db = SqliteStore::connect(&url).await.unwrap();
+    SqliteStore::connect(&url).await.unwrap()
+}
+
+/// The payments API with a one-hour retention on `db`, served on loopback. Its first keyed
+/// attempt is answered 503 `store-unavailable` before it reaches the API (a database that
+/// blinked), so an operation makes two attempts.
+async fn server(db: impl AppDb) -> (String, Seen) {
     db.migrate_all().await.unwrap();
     let config = AppConfig {
         api_keys: ApiKeys::new([("t1".to_owned(), TOKEN.to_owned())]),
@@ -101,7 +105,7 @@ async fn total(base: &str) -> i64 {
 #[tokio::test]
 async fn a_resumed_operation_past_the_window_ends_with_the_typed_error() {
     let dir = tempfile::tempdir().unwrap();
-    let (base, seen) = server(dir.path()).await;
+    let (base, seen) = server(sqlite(dir.path()).await).await;
     let client = IdempotentClient::with_policy(
         reqwest::Client::new(),
         RetryPolicy::new().with_retention(Duration::from_secs(48 * 3600)),
@@ -134,7 +138,20 @@ async fn a_resumed_operation_past_the_window_ends_with_the_typed_error() {
 #[tokio::test]
 async fn a_used_reference_is_answered_with_the_existing_payment() {
     let dir = tempfile::tempdir().unwrap();
-    let (base, seen) = server(dir.path()).await;
+    reference_outlives_the_key(server(sqlite(dir.path()).await).await).await;
+}
+
+/// The same on PostgreSQL.
+#[tokio::test]
+async fn a_used_reference_is_answered_with_the_existing_payment_on_postgres() {
+    let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
+        .await
+        .unwrap();
+    let db = idemkey_postgres::PgStore::connect(&url, 4).await.unwrap();
+    reference_outlives_the_key(server(db).await).await;
+}
+
+async fn reference_outlives_the_key((base, seen): (String, Seen)) {
     let client = IdempotentClient::new(reqwest::Client::new());
     let op = Operation::new();
     let request = client
