@@ -184,3 +184,11 @@ async fn reference_outlives_the_key((base, seen): (String, Seen)) {
     }
     assert_eq!(total(&base).await, 1);
 }
+
+/// The same on the rusqlite store, whose payment statements run one by one.
+#[tokio::test]
+async fn a_used_reference_is_answered_with_the_existing_payment_on_rusqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = idemkey_sqlite::RusqliteStore::open(dir.path().join("late.db")).unwrap();
+    reference_outlives_the_key(server(db).await).await;
+}
