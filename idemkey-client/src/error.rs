@@ -46,6 +46,22 @@ pub enum Error {
         #[source]
         last: Option<Box<Failure>>,
     },
+    /// The server refused the attempt because the operation's first attempt was sent longer
+    /// ago than its retention (412 `first-sent-expired`) and it keeps no record of it: the
+    /// operation may have happened, so it was not run again. Never retried; find out by other
+    /// means (e.g. the resource's own reference) before starting a new operation.
+    #[error(
+        "the server refused the request: its first attempt ({}) is older than the server's retention, and the operation may already have happened",
+        httpdate::fmt_http_date(*.first_attempt_at)
+    )]
+    FirstSentExpired {
+        /// The problem details and the raw response.
+        problem: Box<Problem>,
+        /// The first attempt's time the request stated.
+        first_attempt_at: SystemTime,
+        /// Attempts made by this call.
+        attempts: u32,
+    },
     /// The request body is a stream: it cannot be sent again byte for byte.
     #[error("the request body is a stream and cannot be sent again")]
     NotCloneable,
@@ -67,7 +83,9 @@ impl Error {
     /// The problem details, for [`Error::Problem`].
     pub fn problem(&self) -> Option<&Problem> {
         match self {
-            Error::Problem { problem, .. } => Some(problem),
+            Error::Problem { problem, .. } | Error::FirstSentExpired { problem, .. } => {
+                Some(problem)
+            }
             _ => None,
         }
     }
@@ -78,6 +96,7 @@ impl Error {
             Error::Problem { attempts, .. }
             | Error::GaveUp { attempts, .. }
             | Error::RetentionHorizon { attempts, .. }
+            | Error::FirstSentExpired { attempts, .. }
             | Error::Transport { attempts, .. } => *attempts,
             Error::NotCloneable | Error::Build(_) => 0,
         }

@@ -112,4 +112,10 @@ pub mod header {
     pub const IDEMPOTENCY_KEY_EXPIRES: &str = "idempotency-key-expires";
     /// `true` on an answer replayed from the stored outcome.
     pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+    /// When the operation's first attempt was sent (an HTTP-date), sent on every attempt:
+    /// the server refuses an attempt older than its retention instead of running it again.
+    pub const REPEATABILITY_FIRST_SENT: &str = idemkey_core::FIRST_SENT_HEADER;
+    /// `accepted` or `rejected`, on an answer to a request that stated its first attempt's
+    /// time.
+    pub const REPEATABILITY_RESULT: &str = idemkey_core::REPEATABILITY_RESULT_HEADER;
 }

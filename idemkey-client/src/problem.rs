@@ -60,6 +60,9 @@ pub mod types {
     /// [`SERVER_OVERLOADED`](registry::SERVER_OVERLOADED): the server is at its limit of client
     /// connections; nothing ran.
     pub const SERVER_OVERLOADED: &str = registry::SERVER_OVERLOADED.uri;
+    /// [`FIRST_SENT_EXPIRED`](registry::FIRST_SENT_EXPIRED): the first attempt is older than
+    /// the server's retention and no record of it is kept; it was not run again.
+    pub const FIRST_SENT_EXPIRED: &str = registry::FIRST_SENT_EXPIRED.uri;
     /// The RFC 9457 default when a problem names no type.
     pub const ABOUT_BLANK: &str = "about:blank";
 }

@@ -4,10 +4,10 @@
 use std::future::Future;
 use std::time::{Duration, SystemTime};
 
-use reqwest::header::{HeaderMap, RETRY_AFTER};
+use reqwest::header::{HeaderMap, HeaderValue, RETRY_AFTER};
 use reqwest::{Request, Response, StatusCode};
 
-use crate::problem::problem_type;
+use crate::problem::{problem_type, types};
 use idemkey_core::problem;
 
 use crate::{
@@ -90,6 +90,13 @@ pub(crate) async fn run<T: Transport>(
     }
     let started = clock.now();
     let first_attempt_at = op.begin(started);
+    // Every attempt states when the first one was sent: a server that no longer keeps a
+    // record of the operation refuses a late attempt instead of running it again.
+    if let Ok(sent) = HeaderValue::from_str(&httpdate::fmt_http_date(first_attempt_at)) {
+        request
+            .headers_mut()
+            .insert(header::REPEATABILITY_FIRST_SENT, sent);
+    }
     // A clock set back reads as no time spent.
     let elapsed = || clock.now().duration_since(started).unwrap_or_default();
     let mut attempts = 0u32;
@@ -121,6 +128,14 @@ pub(crate) async fn run<T: Transport>(
             Err(SendError::Reqwest(e)) => (Failure::Transport(e), None),
             Ok(response) => match answer(clock, op, response, mode, attempts).await {
                 Answer::Final(delivered) => return Ok(delivered),
+                Answer::Refused(problem) if problem.is(types::FIRST_SENT_EXPIRED) => {
+                    return Err(Error::FirstSentExpired {
+                        problem: Box::new(problem),
+                        first_attempt_at,
+                        attempts,
+                    }
+                    .into());
+                }
                 Answer::Refused(problem) => {
                     return Err(Error::Problem {
                         problem: Box::new(problem),
@@ -183,7 +198,7 @@ fn retryable_transport(error: &reqwest::Error) -> bool {
 
 /// Statuses that are final whatever the body says.
 fn final_by_status(status: StatusCode) -> bool {
-    !matches!(status.as_u16(), 400 | 409 | 422 | 429 | 500..=599)
+    !matches!(status.as_u16(), 400 | 409 | 412 | 422 | 429 | 500..=599)
 }
 
 /// Whether an answer is final before its body is read: its status says so, or it is a replay.
@@ -215,7 +230,8 @@ fn verdict(status: StatusCode, kind: Option<&str>) -> Verdict {
         None => match status.as_u16() {
             400 | 422 => Verdict::Refuse,
             429 | 500..=599 => Verdict::Retry,
-            // A 409 of the application's own (a business conflict) is its answer.
+            // A 409 of the application's own (a business conflict), or a 412 (a failed
+            // precondition of its own), is its answer.
             _ => Verdict::Final,
         },
     }

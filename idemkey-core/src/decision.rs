@@ -50,6 +50,9 @@ pub struct Mismatch {
     pub query: bool,
     /// The body (or its media type) differs.
     pub body: bool,
+    /// The first attempt's time (`Repeatability-First-Sent`) differs from the one the
+    /// record was claimed with.
+    pub first_sent: bool,
     /// The JSON Pointer, in the **new** request's body, of the first member that differs
     /// (`docs/fingerprint.md`, "Naming the member that differs"); `None` when it cannot be
     /// told (not JSON, a record without member digests, past the bound).
@@ -68,6 +71,9 @@ impl Mismatch {
         }
         if self.body {
             v.push("body");
+        }
+        if self.first_sent {
+            v.push("first-sent");
         }
         v
     }
@@ -128,14 +134,18 @@ fn first_differing_member(stored: &Members, new: &Members) -> Option<String> {
     open.last().map(|&c| c.to_owned())
 }
 
-/// Decides what a request with `fingerprint` does, given the `existing` record at `now`.
+/// Decides what a request with `fingerprint`, stating its first attempt's time
+/// `first_sent`, does, given the `existing` record at `now`.
 ///
 /// The order matters: an expired record is as good as absent (retention is the documented
-/// limit of the contract); a different fingerprint is refused whatever the state, since it
-/// is never a retry; only then does the state speak.
+/// limit of the contract); a different fingerprint or first-sent time is refused whatever the
+/// state, since it is never a retry; only then does the state speak. A first-sent time counts
+/// only where both the record and the request have one: a request that does not state it (or
+/// a record claimed without it) asserts nothing to compare.
 pub fn decide<'r>(
     existing: Option<&'r Record>,
     fingerprint: &Fingerprint,
+    first_sent: Option<Timestamp>,
     now: Timestamp,
 ) -> Decision<'r> {
     let Some(record) = existing else {
@@ -146,12 +156,15 @@ pub fn decide<'r>(
             token: record.token,
         };
     }
-    if record.fingerprint.digest != fingerprint.digest {
+    let first_sent_differs =
+        matches!((record.first_sent, first_sent), (Some(a), Some(b)) if a != b);
+    if record.fingerprint.digest != fingerprint.digest || first_sent_differs {
         let (a, b) = (record.fingerprint.parts, fingerprint.parts);
         let mut m = Mismatch {
             params: a.params != b.params,
             query: a.query != b.query,
             body: a.body != b.body,
+            first_sent: first_sent_differs,
             pointer: None,
         };
         if m.body
@@ -159,7 +172,7 @@ pub fn decide<'r>(
         {
             m.pointer = first_differing_member(stored, new);
         }
-        if m == Mismatch::default() {
+        if record.fingerprint.digest != fingerprint.digest && !(m.params || m.query || m.body) {
             // Digests differ while the parts agree (a different encoding version, say):
             // the body is the part a client can change, so name it.
             m.body = true;
@@ -454,6 +467,7 @@ mod tests {
             updated_at: Timestamp(0),
             expires_at: Timestamp(1_000),
             sealed_key: None,
+            first_sent: None,
         }
     }
 
@@ -461,14 +475,14 @@ mod tests {
 
     #[test]
     fn executes_when_no_record() {
-        assert_eq!(decide(None, &fp(1), NOW), Decision::Execute);
+        assert_eq!(decide(None, &fp(1), None, NOW), Decision::Execute);
     }
 
     #[test]
     fn replays_completed_record_with_same_fingerprint() {
         let r = record(RecordState::Completed, None);
         assert!(
-            matches!(decide(Some(&r), &fp(1), NOW), Decision::Replay(resp) if resp.body == b"ok")
+            matches!(decide(Some(&r), &fp(1), None, NOW), Decision::Replay(resp) if resp.body == b"ok")
         );
     }
 
@@ -495,7 +509,7 @@ mod tests {
         r.fingerprint = fp(old);
         let stored = r.fingerprint.members.as_ref().map(Members::to_bytes);
         r.fingerprint.members = stored.as_deref().and_then(Members::from_bytes);
-        match decide(Some(&r), &fp(new), NOW) {
+        match decide(Some(&r), &fp(new), None, NOW) {
             Decision::Mismatch(m) => {
                 assert!(m.body && !m.params && !m.query, "{m:?}");
                 m.pointer
@@ -613,7 +627,7 @@ mod tests {
         );
         // Not JSON.
         let r = record(RecordState::Completed, None);
-        let Decision::Mismatch(m) = decide(Some(&r), &fp(2), NOW) else {
+        let Decision::Mismatch(m) = decide(Some(&r), &fp(2), None, NOW) else {
             panic!("a mismatch")
         };
         assert_eq!(m.pointer, None);
@@ -623,7 +637,7 @@ mod tests {
     fn rejects_mismatched_fingerprint_naming_the_part() {
         let r = record(RecordState::Completed, None);
         assert_eq!(
-            decide(Some(&r), &fp(2), NOW),
+            decide(Some(&r), &fp(2), None, NOW),
             Decision::Mismatch(Mismatch {
                 body: true,
                 ..Mismatch::default()
@@ -632,10 +646,44 @@ mod tests {
     }
 
     #[test]
+    fn rejects_changed_first_sent_naming_it() {
+        let mut r = record(RecordState::Completed, None);
+        r.first_sent = Some(Timestamp(100));
+        assert_eq!(
+            decide(Some(&r), &fp(1), Some(Timestamp(101)), NOW),
+            Decision::Mismatch(Mismatch {
+                first_sent: true,
+                ..Mismatch::default()
+            })
+        );
+        let Decision::Mismatch(m) = decide(Some(&r), &fp(2), Some(Timestamp(101)), NOW) else {
+            panic!("a mismatch")
+        };
+        assert_eq!(m.parts(), ["body", "first-sent"]);
+    }
+
+    #[test]
+    fn first_sent_stated_on_one_side_only_still_replays() {
+        let mut r = record(RecordState::Completed, None);
+        r.first_sent = Some(Timestamp(100));
+        for (stored, stated) in [
+            (Some(Timestamp(100)), Some(Timestamp(100))),
+            (Some(Timestamp(100)), None),
+            (None, Some(Timestamp(100))),
+        ] {
+            r.first_sent = stored;
+            assert!(
+                matches!(decide(Some(&r), &fp(1), stated, NOW), Decision::Replay(_)),
+                "{stored:?} / {stated:?}"
+            );
+        }
+    }
+
+    #[test]
     fn mismatch_wins_over_in_flight() {
         let r = record(RecordState::Reserved, Some(900));
         assert!(matches!(
-            decide(Some(&r), &fp(2), NOW),
+            decide(Some(&r), &fp(2), None, NOW),
             Decision::Mismatch(_)
         ));
     }
@@ -644,7 +692,7 @@ mod tests {
     fn expired_record_is_taken_over_never_replayed() {
         let r = record(RecordState::Completed, None);
         assert_eq!(
-            decide(Some(&r), &fp(2), Timestamp(1_000)),
+            decide(Some(&r), &fp(2), None, Timestamp(1_000)),
             Decision::TakeOver { token: 7 }
         );
     }
@@ -654,7 +702,7 @@ mod tests {
         for state in [RecordState::Reserved, RecordState::Executing] {
             let r = record(state, Some(900));
             assert_eq!(
-                decide(Some(&r), &fp(1), NOW),
+                decide(Some(&r), &fp(1), None, NOW),
                 Decision::InFlight {
                     lease_expires_at: Some(Timestamp(900))
                 }
@@ -666,7 +714,7 @@ mod tests {
     fn lapsed_lease_before_point_of_no_return_is_taken_over() {
         let r = record(RecordState::Reserved, Some(400));
         assert_eq!(
-            decide(Some(&r), &fp(1), NOW),
+            decide(Some(&r), &fp(1), None, NOW),
             Decision::TakeOver { token: 7 }
         );
     }
@@ -675,7 +723,7 @@ mod tests {
     fn lapsed_lease_after_point_of_no_return_turns_indeterminate() {
         let r = record(RecordState::Executing, Some(400));
         assert_eq!(
-            decide(Some(&r), &fp(1), NOW),
+            decide(Some(&r), &fp(1), None, NOW),
             Decision::OutcomeUnknown {
                 mark_indeterminate: Some(7)
             }
@@ -686,7 +734,7 @@ mod tests {
     fn indeterminate_is_never_executed() {
         let r = record(RecordState::Indeterminate, None);
         assert_eq!(
-            decide(Some(&r), &fp(1), Timestamp(999)),
+            decide(Some(&r), &fp(1), None, Timestamp(999)),
             Decision::OutcomeUnknown {
                 mark_indeterminate: None,
             }

@@ -8,6 +8,8 @@
 //! - [`Scope`], [`KeyHasher`], [`RecordId`]: identity, with the raw key replaced by a keyed hash;
 //! - [`fingerprint()`]: the canonical request fingerprint (RFC 8785 for JSON);
 //! - [`Record`], [`RecordState`], [`StoredResponse`]: what is stored;
+//! - [`FirstSentPolicy`]: the first attempt's time a request states, and when it is too late
+//!   for its record to be trusted to exist;
 //! - [`decide`]: the one pure function that says execute / replay / mismatch / in-flight /
 //!   outcome-unknown;
 //! - [`after_effect`] and [`AnswerRule`]: the one pure function that says what becomes of an
@@ -25,6 +27,7 @@
 mod decision;
 mod eviction;
 mod fingerprint;
+mod first_sent;
 #[cfg(feature = "sqlx")]
 pub mod group;
 mod jcs;
@@ -46,6 +49,10 @@ pub use self::decision::{
 };
 pub use self::eviction::{EvictionNotice, EvictionNotices};
 pub use self::fingerprint::*;
+pub use self::first_sent::{
+    FIRST_SENT_HEADER, FirstSentError, FirstSentPolicy, FirstSentRequirement,
+    REPEATABILITY_RESULT_HEADER,
+};
 pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse};
 pub use self::redact::{CREDENTIAL_PARAMETERS, redact_url};

@@ -76,6 +76,18 @@ problem_types! {
     REQUEST_TOO_LARGE = "request-too-large", 413, "Request body too large", retry: false;
     /// The body could not be read; nothing was executed.
     REQUEST_UNREADABLE = "request-unreadable", 400, "Request body unreadable", retry: true;
+    /// The route requires a `Repeatability-First-Sent` header and the request had none.
+    FIRST_SENT_MISSING = "first-sent-missing", 400, "Repeatability-First-Sent missing",
+        retry: false;
+    /// The `Repeatability-First-Sent` header is not one HTTP date, or is further ahead of the
+    /// server's clock than the clock-skew allowance.
+    FIRST_SENT_INVALID = "first-sent-invalid", 400, "Repeatability-First-Sent invalid",
+        retry: false;
+    /// The first attempt was sent longer ago than the retention (less the clock-skew margin)
+    /// and no live record answers it: its record may have been purged, so it is not run. Not
+    /// retried: the answer only gets more final.
+    FIRST_SENT_EXPIRED = "first-sent-expired", 412, "First attempt outside the retention window",
+        retry: false;
     /// The key was used with a different request.
     KEY_REUSED = "key-reused", 422, "Idempotency-Key reused with a different request",
         retry: false;
@@ -121,16 +133,24 @@ problem_types! {
     PAYMENT_DECLINED = "payment-declined", 402, "Payment declined", retry: false;
     /// Payments API: no such payment for this tenant.
     NOT_FOUND = "not-found", 404, "Not found", retry: false;
+    /// Payments API: the tenant already made a payment with this `reference` (whatever its
+    /// idempotency key); the answer names it (stored and replayed like any outcome).
+    PAYMENT_REFERENCE_USED = "payment-reference-used", 409, "Payment reference already used",
+        retry: false;
 }
 
 /// Every problem type: the layer's and the gateway's, then the reference payments API's own
-/// ([`UNAUTHORIZED`], [`INVALID_REQUEST`], [`PAYMENT_DECLINED`], [`NOT_FOUND`]; it answers
+/// ([`UNAUTHORIZED`], [`INVALID_REQUEST`], [`PAYMENT_DECLINED`], [`NOT_FOUND`],
+/// [`PAYMENT_REFERENCE_USED`]; it answers
 /// [`INTERNAL_ERROR`] too).
 pub const ALL: &[ProblemType] = &[
     KEY_MISSING,
     KEY_INVALID,
     REQUEST_TOO_LARGE,
     REQUEST_UNREADABLE,
+    FIRST_SENT_MISSING,
+    FIRST_SENT_INVALID,
+    FIRST_SENT_EXPIRED,
     KEY_REUSED,
     REQUEST_IN_FLIGHT,
     OUTCOME_UNKNOWN,
@@ -148,6 +168,7 @@ pub const ALL: &[ProblemType] = &[
     INVALID_REQUEST,
     PAYMENT_DECLINED,
     NOT_FOUND,
+    PAYMENT_REFERENCE_USED,
 ];
 
 /// The problem type whose [`uri`](ProblemType::uri) is `uri` (compared exactly), if it is one

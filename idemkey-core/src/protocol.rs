@@ -60,6 +60,9 @@ pub struct Claim {
     pub retention: Duration,
     /// External mode: the raw key, sealed, for a reconciler (`None` in local mode).
     pub sealed_key: Option<Vec<u8>>,
+    /// The first attempt's time the request states, stored with the record it claims and
+    /// compared with the one a record holds.
+    pub first_sent: Option<Timestamp>,
 }
 
 /// The answer to a claim.
@@ -78,6 +81,8 @@ pub enum ClaimOutcome {
         response: StoredResponse,
         /// When the record expires.
         expires_at: Timestamp,
+        /// The first attempt's time the record holds (see [`Record::first_sent`]).
+        first_sent: Option<Timestamp>,
     },
     /// The key was used with a different request.
     Mismatch {
@@ -215,6 +220,7 @@ fn new_record(claim: &Claim, state: RecordState, lease: Option<Timestamp>) -> Ne
         now: claim.now,
         expires_at: claim.now.plus(claim.retention),
         sealed_key: claim.sealed_key.clone(),
+        first_sent: claim.first_sent,
     }
 }
 
@@ -251,9 +257,12 @@ async fn claim_after<S: Store>(
             Err(StoreError::Busy(_)) => return Ok(in_flight()),
             Err(e) => return Err(e.into()),
         };
-        // Every answer below is given because this record exists: it carries its expiry.
-        let expires_at = existing.as_ref().map_or(claim.now, |r| r.expires_at);
-        match decide(existing.as_ref(), &claim.fingerprint, claim.now) {
+        match decide(
+            existing.as_ref(),
+            &claim.fingerprint,
+            claim.first_sent,
+            claim.now,
+        ) {
             // Deleted between our insert and our read (released, evicted, purged): again.
             Decision::Execute => continue,
             Decision::TakeOver { token } => match store.replace(conn, record, token).await {
@@ -263,8 +272,15 @@ async fn claim_after<S: Store>(
                 Err(e) => return Err(e.into()),
             },
             decision => {
-                if let Some(answer) =
-                    answer_from(store, conn, &record.id, decision, expires_at, claim.now).await?
+                if let Some(answer) = answer_from(
+                    store,
+                    conn,
+                    &record.id,
+                    decision,
+                    existing.as_ref(),
+                    claim.now,
+                )
+                .await?
                 {
                     return Ok(answer);
                 }
@@ -275,7 +291,8 @@ async fn claim_after<S: Store>(
 }
 
 /// The answer a request gets from a record it cannot claim (a replay, a mismatch, in flight,
-/// outcome unknown), each carrying the record's expiry; `None` when the record can be
+/// outcome unknown), each carrying the expiry of `existing`, the record it was decided from;
+/// `None` when the record can be
 /// claimed (`Execute`, `TakeOver`). A lapsed executing record is marked indeterminate first,
 /// so operators and metrics see it; if its token moved, someone else marked or resolved it
 /// first: same answer.
@@ -284,14 +301,17 @@ async fn answer_from<S: Store>(
     conn: &mut S::Connection,
     id: &RecordId,
     decision: Decision<'_>,
-    expires_at: Timestamp,
+    existing: Option<&Record>,
     now: Timestamp,
 ) -> Result<Option<ClaimOutcome>> {
+    // Every answer below is given because this record exists: it carries its expiry.
+    let expires_at = existing.map_or(now, |r| r.expires_at);
     Ok(Some(match decision {
         Decision::Execute | Decision::TakeOver { .. } => return Ok(None),
         Decision::Replay(response) => ClaimOutcome::Replay {
             response: response.clone(),
             expires_at,
+            first_sent: existing.and_then(|r| r.first_sent),
         },
         Decision::Mismatch(mismatch) => ClaimOutcome::Mismatch {
             mismatch,
@@ -310,18 +330,23 @@ async fn answer_from<S: Store>(
     }))
 }
 
-/// Key-secret rotation: what the record kept under the previous secret's identity `id`
-/// answers, before a claim under the current secret's identity.
+/// What the record `id` answers a request, read without claiming anything: what a claim
+/// that lost to the record would get, by the same [`decide`], from the request's
+/// `fingerprint` and first-sent time. `None` when there is nothing to answer from (no
+/// record, an expired one, or a reservation whose owner stopped before the point of no
+/// return). The record is read on a pooled connection of its own, outside any transaction of
+/// the caller's; the only write is marking a lapsed executing record indeterminate.
 ///
-/// `None` when there is nothing to answer from (no record, an expired one, or a reservation
-/// whose owner stopped before the point of no return): the caller claims under the current
-/// identity. Otherwise the answer a claim that lost to this record would get, by the same
-/// [`decide`]. The record is read on a pooled connection of its own, outside any
-/// transaction of the caller's.
-pub async fn lookup_previous<S: Store>(
+/// Two callers: key-secret rotation reads the record kept under the previous secret's
+/// identity before a claim under the current one (`None`: claim); a request whose first
+/// attempt is too old for its record to be trusted to exist
+/// ([`FirstSentPolicy::is_late`](crate::FirstSentPolicy::is_late)) is answered by a live
+/// record or refused (`None`: refuse), so that no attempt of it claims the key.
+pub async fn lookup<S: Store>(
     store: &S,
     id: &RecordId,
     fingerprint: &Fingerprint,
+    first_sent: Option<Timestamp>,
     now: Timestamp,
 ) -> Result<Option<ClaimOutcome>> {
     let mut conn = store.acquire().await?;
@@ -330,9 +355,8 @@ pub async fn lookup_previous<S: Store>(
         Err(StoreError::Busy(_)) => return Ok(Some(in_flight())),
         Err(e) => return Err(e.into()),
     };
-    let expires_at = existing.as_ref().map_or(now, |r| r.expires_at);
-    let decision = decide(existing.as_ref(), fingerprint, now);
-    answer_from(store, &mut conn, id, decision, expires_at, now).await
+    let decision = decide(existing.as_ref(), fingerprint, first_sent, now);
+    answer_from(store, &mut conn, id, decision, existing.as_ref(), now).await
 }
 
 /// "In flight" without a record in hand: no lease and no expiry to tell.
@@ -497,7 +521,7 @@ pub async fn resolve<S: Store>(
     let now = Timestamp::now();
     let record = store.fetch(&mut tx, id).await?.ok_or(Error::NotFound)?;
     let unknown = matches!(
-        decide(Some(&record), &record.fingerprint, now),
+        decide(Some(&record), &record.fingerprint, None, now),
         Decision::OutcomeUnknown { .. }
     );
     if !unknown {

@@ -128,6 +128,9 @@ pub struct Record {
     /// External mode only: the raw key sealed with an AEAD keyed from the key secret, so a
     /// reconciler can ask the other service about the operation. `None` in local mode.
     pub sealed_key: Option<Vec<u8>>,
+    /// The time of the operation's first attempt, as the claiming request stated it
+    /// (`Repeatability-First-Sent`); `None` when it did not.
+    pub first_sent: Option<Timestamp>,
 }
 
 impl Record {
@@ -154,6 +157,8 @@ pub struct NewRecord {
     pub expires_at: Timestamp,
     /// External mode only: the sealed raw key (see [`Record::sealed_key`]).
     pub sealed_key: Option<Vec<u8>>,
+    /// The first attempt's time the claiming request stated (see [`Record::first_sent`]).
+    pub first_sent: Option<Timestamp>,
 }
 
 /// One entry of a record's audit trail: who resolved an operation, when, and how.

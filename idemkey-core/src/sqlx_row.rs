@@ -29,6 +29,7 @@ pub struct RecordRow {
     pub expires_at: i64,
     pub sealed_key: Option<Vec<u8>>,
     pub fingerprint_members: Option<Vec<u8>>,
+    pub first_sent: Option<i64>,
 }
 
 impl TryFrom<RecordRow> for Record {
@@ -78,6 +79,7 @@ impl TryFrom<RecordRow> for Record {
             updated_at: Timestamp(row.updated_at),
             expires_at: Timestamp(row.expires_at),
             sealed_key: row.sealed_key,
+            first_sent: row.first_sent.map(Timestamp),
         })
     }
 }

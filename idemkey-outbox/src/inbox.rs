@@ -258,6 +258,7 @@ impl<S: Store> Inbox<S> {
             now: self.clock.now(),
             retention: self.retention,
             sealed_key: None,
+            first_sent: None,
         };
         let mut tx = self.store.begin().await?;
         let outcome = match protocol::claim(&self.store, &mut tx, &claim).await {

@@ -191,12 +191,12 @@ const UNDEFINED_PREPARED: &str = "26000";
 /// `idemkey_expect_owned` (migration 0005): it fails, and so skips the `COMMIT` sent after it,
 /// unless it matched the owner's row.
 const PREPARE: &str = "\
-PREPARE idemkey_claim_v1 (text, bytea, text, bytea, bytea, text, bigint, bigint, bigint, bytea, \
-                          bytea) AS
+PREPARE idemkey_claim_v2 (text, bytea, text, bytea, bytea, text, bigint, bigint, bigint, bytea, \
+                          bytea, bigint) AS
     INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint, fingerprint_parts, state,
                                  token, lease_expires_at, created_at, updated_at, expires_at,
-                                 sealed_key, fingerprint_members)
-    VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11);
+                                 sealed_key, fingerprint_members, first_sent)
+    VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11, $12);
 PREPARE idemkey_complete_v1 (text, bytea, text, bigint, integer, bytea, bytea, bigint) AS
     WITH done AS (
         UPDATE idemkey_records
@@ -289,14 +289,15 @@ impl GroupWriter for PgStore {
         let inserted = sqlx::query_as::<_, (String, Vec<u8>, String)>(
             "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
                     fingerprint_parts, state, token, lease_expires_at, created_at, updated_at,
-                    expires_at, sealed_key, fingerprint_members)
+                    expires_at, sealed_key, fingerprint_members, first_sent)
              SELECT tenant, key_hash, route, fingerprint, parts, state, 1, lease, created,
-                    created, expires, sealed, members
+                    created, expires, sealed, members, first_sent
                FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::bytea[],
                            $6::text[], $7::bigint[], $8::bigint[], $9::bigint[],
-                           $10::bytea[], $11::bytea[])
+                           $10::bytea[], $11::bytea[], $12::bigint[])
                     WITH ORDINALITY AS r (tenant, key_hash, route, fingerprint, parts, state,
-                                          lease, created, expires, sealed, members, n)
+                                          lease, created, expires, sealed, members,
+                                          first_sent, n)
               ORDER BY n
              ON CONFLICT (tenant, key_hash, route) DO NOTHING
              RETURNING tenant, key_hash, route",
@@ -316,6 +317,7 @@ impl GroupWriter for PgStore {
         .bind(column(&rows, |r| {
             r.fingerprint.members.as_ref().map(Members::to_bytes)
         }))
+        .bind(column(&rows, |r| r.first_sent.map(Timestamp::as_millis)))
         .fetch_all(&self.pool)
         .await
         .map(group::returned);
@@ -392,7 +394,7 @@ impl Store for PgStore {
     }
 
     /// One round trip for a fresh key: `BEGIN` and a plain `INSERT` of the record (the
-    /// prepared `idemkey_claim_v1`, see `PREPARE` in this file) go in one message. A taken
+    /// prepared `idemkey_claim_v2`, see `PREPARE` in this file) go in one message. A taken
     /// key fails that `INSERT` (unique violation); then the transaction begins again
     /// (`ROLLBACK; BEGIN`, one message) and [`insert`](Store::insert) claims the usual way,
     /// reading the record that took the key. Such a replay costs one message more than the
@@ -413,7 +415,7 @@ impl Store for PgStore {
         let mut claim = Sql::new("BEGIN");
         lock_timeout(&mut claim);
         claim
-            .push("; EXECUTE idemkey_claim_v1(")
+            .push("; EXECUTE idemkey_claim_v2(")
             .id(&record.id)?
             .push(", ");
         claim.bytes(&record.fingerprint.digest).push(", ");
@@ -426,7 +428,10 @@ impl Store for PgStore {
         claim.int(record.expires_at.as_millis()).push(", ");
         claim.opt_bytes(record.sealed_key.as_deref()).push(", ");
         let members = record.fingerprint.members.as_ref().map(Members::to_bytes);
-        claim.opt_bytes(members.as_deref()).push(")");
+        claim.opt_bytes(members.as_deref()).push(", ");
+        claim
+            .opt_int(record.first_sent.map(Timestamp::as_millis))
+            .push(")");
         let claim = claim.finish();
         let (e, conn) = match self.begin_on_pool(Some(claim.clone())).await {
             Ok(tx) => return Ok(Begun::Claimed(tx, Inserted::Owned)),
@@ -550,8 +555,8 @@ impl Store for PgStore {
             "WITH ins AS (
                  INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
                         fingerprint_parts, state, token, lease_expires_at, created_at,
-                        updated_at, expires_at, sealed_key, fingerprint_members)
-                 VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11)
+                        updated_at, expires_at, sealed_key, fingerprint_members, first_sent)
+                 VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11, $12)
                  ON CONFLICT (tenant, key_hash, route) DO NOTHING
                  RETURNING token
              )
@@ -572,6 +577,7 @@ impl Store for PgStore {
         .bind(r.expires_at.as_millis())
         .bind(r.sealed_key.as_deref())
         .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
+        .bind(r.first_sent.map(Timestamp::as_millis))
         .fetch_one(conn)
         .await
         .map_err(error)?;
@@ -618,7 +624,7 @@ impl Store for PgStore {
                 SET fingerprint = $4, fingerprint_parts = $5, state = $6, token = token + 1,
                     lease_expires_at = $7, response_status = NULL, response_headers = NULL,
                     response_body = NULL, created_at = $8, updated_at = $8, expires_at = $9,
-                    sealed_key = $11, fingerprint_members = $12
+                    sealed_key = $11, fingerprint_members = $12, first_sent = $13
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $10
              RETURNING token",
         )
@@ -634,6 +640,7 @@ impl Store for PgStore {
         .bind(token)
         .bind(r.sealed_key.as_deref())
         .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
+        .bind(r.first_sent.map(Timestamp::as_millis))
         .fetch_optional(conn)
         .await
         .map_err(error)
@@ -942,6 +949,7 @@ mod tests {
             now,
             expires_at: now.plus(Duration::from_secs(3600)),
             sealed_key: None,
+            first_sent: None,
         }
     }
 

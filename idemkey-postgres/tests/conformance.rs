@@ -83,6 +83,7 @@ fn test_claim(key: &[u8]) -> Claim {
         now: Timestamp::now(),
         retention: Duration::from_secs(3600),
         sealed_key: None,
+        first_sent: None,
     }
 }
 
@@ -134,6 +135,7 @@ async fn claim_that_waited_on_the_owner_reads_the_record_after_it() {
                 now: claim.now,
                 expires_at: claim.now.plus(claim.retention),
                 sealed_key: None,
+                first_sent: None,
             };
             let inserted = store.insert(&mut tx, &new).await.expect("insert");
             let outcome = protocol::claim(&store, &mut tx, &claim)

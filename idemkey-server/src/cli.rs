@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use idemkey_core::{FirstSentPolicy, FirstSentRequirement};
 
 use crate::ApiKeys;
 use crate::secret::{SecretString, SecretUrl};
@@ -183,6 +184,10 @@ pub struct DemoArgs {
     /// Seed of the losses, for a reproducible run.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Retry the lost answers a day late: after the server's clock has passed the retention
+    /// and the purge ran. Each is refused (412) or settled by the payment's reference (409).
+    #[arg(long)]
+    pub late: bool,
 }
 
 /// `idemkey bench`.
@@ -343,6 +348,9 @@ pub struct ServeArgs {
     /// Timeouts and the connection limit of the HTTP server.
     #[command(flatten)]
     pub limits: HttpLimitArgs,
+    /// How the first attempt's time is read.
+    #[command(flatten)]
+    pub first_sent: FirstSentArgs,
 }
 
 impl ServeArgs {
@@ -631,6 +639,9 @@ pub struct GatewayArgs {
     /// Timeouts and the connection limit of the HTTP server.
     #[command(flatten)]
     pub limits: HttpLimitArgs,
+    /// How the first attempt's time is read.
+    #[command(flatten)]
+    pub first_sent: FirstSentArgs,
 }
 
 impl GatewayArgs {
@@ -647,6 +658,43 @@ impl GatewayArgs {
             self.single_tenant.as_deref(),
         )
     }
+}
+
+/// The first attempt's time (`Repeatability-First-Sent`), as `serve` and `gateway` read it.
+#[derive(Debug, Clone, Args)]
+pub struct FirstSentArgs {
+    /// Whether keyed requests must state their first attempt's time in
+    /// Repeatability-First-Sent. One that states a time older than the retention less the
+    /// skew margin is refused with 412 unless a live record answers it.
+    #[arg(long = "first-sent", value_enum, default_value_t = FirstSentArg::Optional)]
+    pub requirement: FirstSentArg,
+    /// How far client and server clocks may disagree: a first-sent time further ahead is
+    /// refused (400), and up to this much (at most a quarter of --retention) is taken off the
+    /// retention before a first attempt counts as too old.
+    #[arg(long = "first-sent-skew", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub skew: Duration,
+}
+
+impl FirstSentArgs {
+    /// The policy these flags name.
+    pub fn policy(&self) -> FirstSentPolicy {
+        FirstSentPolicy {
+            requirement: match self.requirement {
+                FirstSentArg::Optional => FirstSentRequirement::Optional,
+                FirstSentArg::Required => FirstSentRequirement::Required,
+            },
+            skew: self.skew,
+        }
+    }
+}
+
+/// `--first-sent`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FirstSentArg {
+    /// A keyed request may state it.
+    Optional,
+    /// A keyed request without it is refused (400 first-sent-missing).
+    Required,
 }
 
 /// Record states, as the CLI names them.

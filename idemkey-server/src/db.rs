@@ -72,6 +72,21 @@ pub struct Payment {
     pub status: String,
     /// RFC 3339.
     pub created_at: String,
+    /// The client's own reference, unique per tenant for good.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+}
+
+/// What [`AppDb::insert_payment`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PaymentWrite {
+    /// The payment and its ledger entry are written.
+    Created,
+    /// The tenant already has a payment with this reference: nothing was written.
+    ReferenceUsed {
+        /// The existing payment.
+        payment_id: String,
+    },
 }
 
 /// A store that also holds the payments tables.
@@ -95,11 +110,12 @@ pub trait AppDb: Store + OutboxStore {
     /// Runs idemkey's migrations and the payments API's.
     fn migrate_all(&self) -> impl Future<Output = anyhow::Result<()>> + Send;
 
-    /// Writes a payment and its ledger entry on `conn` (the claim's transaction).
+    /// Writes a payment and its ledger entry on `conn` (the claim's transaction), unless the
+    /// tenant already has a payment with its reference: then nothing, and that payment's id.
     fn insert_payment<'a>(
         conn: &'a mut Self::Connection,
         payment: &'a Payment,
-    ) -> impl Future<Output = anyhow::Result<()>> + Send + 'a;
+    ) -> impl Future<Output = anyhow::Result<PaymentWrite>> + Send + 'a;
 
     /// One of a tenant's payments.
     fn payment(
@@ -143,21 +159,28 @@ mod sqlite_sql {
     pub(super) const SETTING: &str = "SELECT value FROM server_settings WHERE name = ?1";
     pub(super) const INIT_SETTING: &str =
         "INSERT INTO server_settings (name, value) VALUES (?1, ?2) ON CONFLICT DO NOTHING";
-    /// The payment, `?1`–`?8` in the order of the `payments` table.
+    /// The payment, `?1`–`?9` in the order of the `payments` table; nothing when the
+    /// tenant's reference is taken.
     macro_rules! insert_payment {
         () => {
             "INSERT INTO payments
-                 (id, tenant, amount, currency, customer, description, status, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"
+                 (id, tenant, amount, currency, customer, description, status, created_at,
+                  reference)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+             ON CONFLICT (tenant, reference) DO NOTHING"
         };
     }
-    /// Its ledger entry, from the same parameters.
+    /// Its ledger entry, from the same parameters, when the payment was written.
     macro_rules! insert_ledger_entry {
         () => {
             "INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?8)"
+             SELECT ?1, ?2, ?3, ?4, ?8
+              WHERE EXISTS (SELECT 1 FROM payments WHERE id = ?1 AND reference IS ?9)"
         };
     }
+    /// The payment that holds a tenant's reference.
+    pub(super) const PAYMENT_BY_REFERENCE: &str =
+        "SELECT id FROM payments WHERE tenant = ?1 AND reference = ?2";
     pub(super) const INSERT_PAYMENT: &str = insert_payment!();
     pub(super) const INSERT_LEDGER_ENTRY: &str = insert_ledger_entry!();
     /// Both, in one string: sqlx binds `?N` by number across its statements.
@@ -204,12 +227,23 @@ impl AppDb for SqliteStore {
         Ok(())
     }
 
-    async fn insert_payment(conn: &mut SqliteConnection, p: &Payment) -> anyhow::Result<()> {
+    async fn insert_payment(
+        conn: &mut SqliteConnection,
+        p: &Payment,
+    ) -> anyhow::Result<PaymentWrite> {
         // Both rows in one call to SQLite (one hand-off to the connection's worker thread).
-        bind_payment(sqlx::query(sqlite_sql::INSERT_PAYMENT_AND_LEDGER_ENTRY), p)
-            .execute(conn)
+        let written = bind_payment(sqlx::query(sqlite_sql::INSERT_PAYMENT_AND_LEDGER_ENTRY), p)
+            .execute(&mut *conn)
             .await?;
-        Ok(())
+        if written.rows_affected() > 0 {
+            return Ok(PaymentWrite::Created);
+        }
+        let payment_id = sqlx::query_scalar(sqlite_sql::PAYMENT_BY_REFERENCE)
+            .bind(&p.tenant)
+            .bind(&p.reference)
+            .fetch_one(conn)
+            .await?;
+        Ok(PaymentWrite::ReferenceUsed { payment_id })
     }
 
     async fn payment(&self, tenant: &str, id: &str) -> anyhow::Result<Option<Payment>> {
@@ -246,7 +280,7 @@ impl AppDb for SqliteStore {
     }
 }
 
-/// A payment's columns as rusqlite parameters `?1`–`?8`, in the order of the table.
+/// A payment's columns as rusqlite parameters `?1`–`?9`, in the order of the table.
 fn payment_params(p: &Payment) -> impl rusqlite::Params + '_ {
     (
         &p.id,
@@ -257,6 +291,7 @@ fn payment_params(p: &Payment) -> impl rusqlite::Params + '_ {
         &p.description,
         &p.status,
         &p.created_at,
+        &p.reference,
     )
 }
 
@@ -270,6 +305,7 @@ fn payment_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Payment> {
         description: row.get("description")?,
         status: row.get("status")?,
         created_at: row.get("created_at")?,
+        reference: row.get("reference")?,
     })
 }
 
@@ -311,13 +347,24 @@ impl AppDb for RusqliteStore {
         Ok(migrated?)
     }
 
-    async fn insert_payment(conn: &mut rusqlite::Connection, p: &Payment) -> anyhow::Result<()> {
+    async fn insert_payment(
+        conn: &mut rusqlite::Connection,
+        p: &Payment,
+    ) -> anyhow::Result<PaymentWrite> {
         // On the calling thread, in the writer's turn: no hand-off.
-        conn.prepare_cached(sqlite_sql::INSERT_PAYMENT)?
-            .execute(payment_params(p))?;
+        if conn
+            .prepare_cached(sqlite_sql::INSERT_PAYMENT)?
+            .execute(payment_params(p))?
+            == 0
+        {
+            let payment_id = conn
+                .prepare_cached(sqlite_sql::PAYMENT_BY_REFERENCE)?
+                .query_row((&p.tenant, &p.reference), |r| r.get(0))?;
+            return Ok(PaymentWrite::ReferenceUsed { payment_id });
+        }
         conn.prepare_cached(sqlite_sql::INSERT_LEDGER_ENTRY)?
             .execute(payment_params(p))?;
-        Ok(())
+        Ok(PaymentWrite::Created)
     }
 
     async fn payment(&self, tenant: &str, id: &str) -> anyhow::Result<Option<Payment>> {
@@ -394,15 +441,18 @@ impl AppDb for PgStore {
         Ok(())
     }
 
-    async fn insert_payment(conn: &mut PgConnection, p: &Payment) -> anyhow::Result<()> {
+    async fn insert_payment(conn: &mut PgConnection, p: &Payment) -> anyhow::Result<PaymentWrite> {
         // Both rows in one statement (one round trip): the ledger entry is made from the
-        // payment row the first insert returns.
-        bind_payment(
+        // payment row the first insert returns, none when the reference is taken (the insert
+        // waits for a transaction that holds it uncommitted, then sees its outcome).
+        let written = bind_payment(
             sqlx::query(
                 "WITH payment AS (
                  INSERT INTO payments
-                     (id, tenant, amount, currency, customer, description, status, created_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                     (id, tenant, amount, currency, customer, description, status, created_at,
+                      reference)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                 ON CONFLICT (tenant, reference) DO NOTHING
                  RETURNING id, tenant, amount, currency, created_at
              )
              INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
@@ -410,9 +460,19 @@ impl AppDb for PgStore {
             ),
             p,
         )
-        .execute(conn)
+        .execute(&mut *conn)
         .await?;
-        Ok(())
+        if written.rows_affected() > 0 {
+            return Ok(PaymentWrite::Created);
+        }
+        // A statement of its own: it sees the row committed while the insert waited on it.
+        let payment_id =
+            sqlx::query_scalar("SELECT id FROM payments WHERE tenant = $1 AND reference = $2")
+                .bind(&p.tenant)
+                .bind(&p.reference)
+                .fetch_one(conn)
+                .await?;
+        Ok(PaymentWrite::ReferenceUsed { payment_id })
     }
 
     async fn payment(&self, tenant: &str, id: &str) -> anyhow::Result<Option<Payment>> {
@@ -455,7 +515,7 @@ impl AppDb for PgStore {
     }
 }
 
-/// Binds a payment's columns, in the order of the `payments` table, as parameters 1–8.
+/// Binds a payment's columns, in the order of the `payments` table, as parameters 1–9.
 fn bind_payment<'q, DB>(
     query: sqlx::query::Query<'q, DB, DB::Arguments>,
     p: &Payment,
@@ -475,4 +535,5 @@ where
         .bind(&p.description)
         .bind(&p.status)
         .bind(&p.created_at)
+        .bind(&p.reference)
 }

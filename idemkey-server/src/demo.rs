@@ -5,18 +5,27 @@
 //! payments through it with the idempotency client, which retries with the same key. Then it
 //! counts: every logical payment should exist exactly once.
 //!
+//! With `late`, the retries come a day late: each payment carries a reference of its own
+//! and is sent once; a lost answer is retried only after the server's clock has moved past
+//! the retention and the purge has deleted the records. Half of those retries state their
+//! first attempt's time (the client does): the server refuses them (412); the other half do
+//! not (a client of its own): their handler runs and finds the reference (409 with the
+//! payment). None is created twice.
+//!
 //! The key secret is a throwaway one made for the run and kept in memory only, on either
 //! database: the demo's records need no look-up after it ends, and nothing secret is left in
 //! the database (a PostgreSQL one especially).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
-use idemkey_client::{IdempotentClient, Operation, RetryPolicy};
+use idemkey_client::{Error, IdempotentClient, Operation, RetryPolicy};
+use idemkey_core::problem::{FIRST_SENT_EXPIRED, PAYMENT_REFERENCE_USED};
+use idemkey_core::{Clock, Timestamp, protocol};
 use idemkey_fault_proxy::{FaultConfig, FaultProxy};
 use idemkey_tower::{InFlightPolicy, Metrics};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -42,6 +51,8 @@ pub struct DemoOptions {
     pub seed: Option<u64>,
     /// Hide the progress bar.
     pub quiet: bool,
+    /// Retry lost answers only after the retention has passed and the records are purged.
+    pub late: bool,
 }
 
 /// What the demo saw.
@@ -61,12 +72,33 @@ pub struct DemoReport {
     pub payments_created: i64,
     /// The first few failures, if any.
     pub failures: Vec<String>,
+    /// With `late`: what became of the retries after the purge.
+    pub late: Option<LateReport>,
+}
+
+/// What became of the payments retried after the retention (`idemkey demo --late`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LateReport {
+    /// Payments whose answer was lost, retried after the purge.
+    pub retried: u64,
+    /// Retries that stated their first attempt's time: refused with 412.
+    pub refused: u64,
+    /// Retries that did not: their handler found the reference (409 with the payment).
+    pub settled_by_reference: u64,
 }
 
 impl DemoReport {
-    /// Every logical payment succeeded and exists exactly once.
+    /// Every logical payment succeeded and exists exactly once; late, every retry was
+    /// refused or settled by its reference instead of creating the payment again.
     pub fn is_exact(&self) -> bool {
-        self.succeeded == self.operations && self.payments_created == self.operations as i64
+        let settled = match &self.late {
+            None => 0,
+            Some(l) if l.refused + l.settled_by_reference == l.retried => l.retried,
+            Some(_) => return false,
+        };
+        self.failures.is_empty()
+            && self.succeeded.saturating_add(settled) == self.operations
+            && self.payments_created == self.operations as i64
     }
 
     /// The table and the verdict line.
@@ -79,6 +111,14 @@ impl DemoReport {
             ("operations succeeded", self.succeeded.to_string()),
             ("payments created", self.payments_created.to_string()),
         ];
+        let late = self.late.iter().flat_map(|l| {
+            [
+                ("retried a day late", l.retried.to_string()),
+                ("refused (412)", l.refused.to_string()),
+                ("settled by reference", l.settled_by_reference.to_string()),
+            ]
+        });
+        let rows: Vec<_> = rows.into_iter().chain(late).collect();
         let mut out = String::new();
         for (name, value) in rows {
             out.push_str(&format!("  {name:<22} {value:>8}\n"));
@@ -86,7 +126,12 @@ impl DemoReport {
         for failure in &self.failures {
             out.push_str(&format!("  failure: {failure}\n"));
         }
-        if self.is_exact() {
+        if let Some(l) = self.late.as_ref().filter(|_| self.is_exact()) {
+            out.push_str(&format!(
+                "VERDICT: OK: {} logical payments, {} created, none twice; {} retried after the purge: {} refused (412), {} settled by reference (409)\n",
+                self.operations, self.payments_created, l.retried, l.refused, l.settled_by_reference
+            ));
+        } else if self.is_exact() {
             out.push_str(&format!(
                 "VERDICT: OK: {} logical payments, {} created, none twice, despite {} lost responses\n",
                 self.operations, self.payments_created, self.lost_responses
@@ -101,7 +146,31 @@ impl DemoReport {
     }
 }
 
-async fn start_server<S: AppDb>(db: S) -> anyhow::Result<SocketAddr> {
+/// The late demo's server clock: the system clock, moved forward by hand.
+#[derive(Debug, Default)]
+struct SkippedClock(AtomicI64);
+
+impl SkippedClock {
+    fn skip(&self, by: Duration) {
+        let ms = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
+        self.0.fetch_add(ms, Ordering::SeqCst);
+    }
+}
+
+impl Clock for SkippedClock {
+    fn now(&self) -> Timestamp {
+        Timestamp(
+            Timestamp::now()
+                .as_millis()
+                .saturating_add(self.0.load(Ordering::SeqCst)),
+        )
+    }
+}
+
+/// The demo server's retention.
+const RETENTION: Duration = Duration::from_secs(24 * 3600);
+
+async fn start_server<S: AppDb>(db: S, clock: Arc<dyn Clock>) -> anyhow::Result<SocketAddr> {
     db.migrate_all().await.context("migrations failed")?;
     // A throwaway key secret: see the module documentation.
     let mut secret = [0u8; 32];
@@ -110,8 +179,10 @@ async fn start_server<S: AppDb>(db: S) -> anyhow::Result<SocketAddr> {
     let config = AppConfig {
         api_keys: ApiKeys::new([("demo".to_owned(), TOKEN.to_owned())])?,
         simulate_latency: Duration::ZERO,
-        retention: Duration::from_secs(24 * 3600),
+        retention: RETENTION,
         in_flight: InFlightPolicy::default(),
+        first_sent: Default::default(),
+        clock,
         outbox: None,
     };
     let router = app(db, &secrets, Metrics::new(), &config);
@@ -137,6 +208,24 @@ async fn payments_total(http: &reqwest::Client, server: SocketAddr) -> anyhow::R
         .context("the payments list has no total")
 }
 
+/// A payment whose answer was lost, as a client that kept it would remember it.
+struct Lost {
+    i: usize,
+    key: String,
+    first_attempt_at: std::time::SystemTime,
+}
+
+/// The body of payment `i`; its reference is unique per payment.
+fn payment_body(i: usize) -> serde_json::Value {
+    serde_json::json!({
+        "amount": 100 + i,
+        "currency": "EUR",
+        "customer": format!("customer-{}", i % 50),
+        "description": format!("demo payment {i}"),
+        "reference": format!("invoice-{i}"),
+    })
+}
+
 /// Runs the demo. The server and the proxy stop with the returned future's runtime.
 pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
     let dir = tempfile::tempdir()?;
@@ -145,7 +234,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
         None => format!("sqlite:{}", dir.path().join("demo.db").display()),
     };
     let db = connect(&url, 32, InFlightPolicy::DEFAULT_WAIT).await?;
-    let server = with_store!(db, store => start_server(store).await)?;
+    let clock = Arc::new(SkippedClock::default());
+    let server = with_store!(db.clone(), store => start_server(store, clock.clone()).await)?;
     let proxy = FaultProxy::start(
         server,
         FaultConfig {
@@ -160,14 +250,18 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
         .timeout(Duration::from_secs(30))
         .build()?;
     let before = payments_total(&http, server).await?;
-    let client = IdempotentClient::with_policy(
-        http.clone(),
-        RetryPolicy::new()
-            .with_initial_delay(Duration::from_millis(10))
-            .with_max_delay(Duration::from_millis(250))
-            .with_max_attempts(100)
-            .with_max_elapsed(Duration::from_secs(120)),
-    );
+    let policy = RetryPolicy::new()
+        .with_initial_delay(Duration::from_millis(10))
+        .with_max_delay(Duration::from_millis(250))
+        .with_max_attempts(100)
+        .with_max_elapsed(Duration::from_secs(120));
+    // Late, a lost answer ends the first pass (the client stopped, keeping the operation).
+    let first_pass = if options.late {
+        policy.clone().with_max_attempts(1)
+    } else {
+        policy.clone()
+    };
+    let client = IdempotentClient::with_policy(http.clone(), first_pass);
     let bar = if options.quiet {
         ProgressBar::hidden()
     } else {
@@ -180,32 +274,42 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
     );
     let attempts = Arc::new(AtomicU64::new(0));
     let url = format!("{}/v1/payments", proxy.url());
-    let results: Vec<Result<bool, String>> = futures::stream::iter(0..options.operations)
+    let late = options.late;
+    type Sent = Result<bool, Result<Lost, String>>;
+    let results: Vec<Sent> = futures::stream::iter(0..options.operations)
         .map(|i| {
             let (client, url, attempts, bar) =
                 (client.clone(), url.clone(), attempts.clone(), bar.clone());
             async move {
                 // One logical payment = one key, made before the first attempt.
                 let op = Operation::new();
-                let body = serde_json::json!({
-                    "amount": 100 + i,
-                    "currency": "EUR",
-                    "customer": format!("customer-{}", i % 50),
-                    "description": format!("demo payment {i}"),
-                });
-                let request = client.inner().post(&url).bearer_auth(TOKEN).json(&body);
+                let request = client
+                    .inner()
+                    .post(&url)
+                    .bearer_auth(TOKEN)
+                    .json(&payment_body(i));
                 let result = match client.send(&op, request).await {
                     Ok(response) => {
                         attempts.fetch_add(u64::from(response.attempts()), Ordering::Relaxed);
                         if response.status() == reqwest::StatusCode::CREATED {
                             Ok(response.is_replayed())
                         } else {
-                            Err(format!("payment {i}: status {}", response.status()))
+                            Err(Err(format!("payment {i}: status {}", response.status())))
                         }
+                    }
+                    Err(e @ Error::GaveUp { .. }) if late => {
+                        attempts.fetch_add(u64::from(e.attempts()), Ordering::Relaxed);
+                        Err(Ok(Lost {
+                            i,
+                            key: op.key().to_owned(),
+                            first_attempt_at: op
+                                .first_attempt_at()
+                                .unwrap_or_else(std::time::SystemTime::now),
+                        }))
                     }
                     Err(e) => {
                         attempts.fetch_add(u64::from(e.attempts()), Ordering::Relaxed);
-                        Err(format!("payment {i}: {e}"))
+                        Err(Err(format!("payment {i}: {e}")))
                     }
                 };
                 bar.inc(1);
@@ -217,11 +321,72 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
         .await;
     bar.finish_and_clear();
 
+    let mut failures: Vec<String> = Vec::new();
+    let mut lost = Vec::new();
+    for result in &results {
+        match result {
+            Err(Err(failure)) => failures.push(failure.clone()),
+            Err(Ok(l)) => lost.push(l),
+            Ok(_) => {}
+        }
+    }
+    let late = if options.late {
+        // A day passes on the server's clock, and the purge deletes every record.
+        clock.skip(RETENTION + Duration::from_secs(3600));
+        let now = clock.now();
+        with_store!(db.clone(), store => protocol::purge_expired(&store, now, 1000).await)?;
+        let mut report = LateReport::default();
+        let direct = format!("http://{server}/v1/payments");
+        let client = IdempotentClient::with_policy(http.clone(), policy);
+        for l in lost {
+            report.retried += 1;
+            if l.i % 2 == 0 {
+                // The client, resuming the operation: it states the first attempt's time.
+                let op = Operation::resume(l.key.clone(), l.first_attempt_at)?;
+                let request = client
+                    .inner()
+                    .post(&direct)
+                    .bearer_auth(TOKEN)
+                    .json(&payment_body(l.i));
+                match client.send(&op, request).await {
+                    Err(Error::FirstSentExpired { problem, .. })
+                        if problem.is(FIRST_SENT_EXPIRED.uri) =>
+                    {
+                        report.refused += 1;
+                    }
+                    other => failures.push(format!(
+                        "late payment {}: {:?}",
+                        l.i,
+                        other.map(|r| r.status())
+                    )),
+                }
+            } else {
+                // A client of its own: the same key, without the first attempt's time.
+                let response = http
+                    .post(&direct)
+                    .bearer_auth(TOKEN)
+                    .header("idempotency-key", &l.key)
+                    .json(&payment_body(l.i))
+                    .send()
+                    .await?;
+                let status = response.status();
+                let problem: serde_json::Value = response.json().await.unwrap_or_default();
+                if status == reqwest::StatusCode::CONFLICT
+                    && problem["type"] == PAYMENT_REFERENCE_USED.uri
+                    && problem["payment_id"].is_string()
+                {
+                    report.settled_by_reference += 1;
+                } else {
+                    failures.push(format!("late payment {}: status {status}: {problem}", l.i));
+                }
+            }
+        }
+        Some(report)
+    } else {
+        None
+    };
+
     let after = payments_total(&http, server).await?;
-    let failures: Vec<String> = results
-        .iter()
-        .filter_map(|r| r.as_ref().err().cloned())
-        .collect();
     Ok(DemoReport {
         operations: options.operations as u64,
         succeeded: results.iter().filter(|r| r.is_ok()).count() as u64,
@@ -230,5 +395,6 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
         replays: results.iter().filter(|r| matches!(r, Ok(true))).count() as u64,
         payments_created: after - before,
         failures: failures.into_iter().take(5).collect(),
+        late,
     })
 }

@@ -4,6 +4,7 @@
 //! the way a user's own service would be ([`app`]), the server around it ([`serve()`]), and
 //! the operator commands ([`keys`]), and where the key secret comes from ([`secret`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -11,6 +12,7 @@ use axum::extract::State;
 use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use idemkey_core::{Clock, FirstSentPolicy};
 use idemkey_outbox::OutboxMetrics;
 use idemkey_tower::{InFlightPolicy, Metrics};
 
@@ -92,6 +94,10 @@ pub struct AppConfig {
     pub retention: Duration,
     /// What a retry gets while the first attempt runs.
     pub in_flight: InFlightPolicy,
+    /// How keyed requests' first-attempt times are read and judged.
+    pub first_sent: FirstSentPolicy,
+    /// Where the layer reads the time (the system clock; the late demo moves its own).
+    pub clock: Arc<dyn Clock>,
     /// With an outbox sink: each succeeded payment enqueues a `payment.succeeded` message,
     /// and `/metrics` shows these counters too.
     pub outbox: Option<OutboxMetrics>,
@@ -113,6 +119,9 @@ pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &App
         .layer(db.clone())
         .retention(config.retention)
         .in_flight(config.in_flight)
+        .first_sent(config.first_sent.requirement)
+        .first_sent_skew(config.first_sent.skew)
+        .clock(config.clock.clone())
         .metrics(metrics.clone());
     let state = AppState {
         db: db.clone(),

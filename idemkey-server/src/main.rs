@@ -64,6 +64,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 purge_interval: args.purge_interval,
                 outbox: args.outbox.clone(),
                 limits: args.limits.limits(),
+                first_sent: args.first_sent.policy(),
             };
             // Under `reject`, SQLite still waits for its single write lock (the default busy
             // time-out): refusing at once would refuse every concurrent write, any key.
@@ -164,6 +165,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 database_url: args.database_url,
                 seed: args.seed,
                 quiet: false,
+                late: args.late,
             })
             .await?;
             print!("{}", report.render());
@@ -250,6 +252,7 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
         max_stored_response: args.max_stored_response,
         retention: args.retention,
         tenants: args.tenant_source().map_err(anyhow::Error::msg)?,
+        first_sent: args.first_sent.policy(),
         database_url: args.database_url.clone(),
         secret: args.secret.clone(),
         key_secret_in_database: args.key_secret_in_database,

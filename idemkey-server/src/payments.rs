@@ -14,7 +14,7 @@ use rand::RngCore;
 use serde::Deserialize;
 
 use crate::AppState;
-use crate::db::{AppDb, Payment};
+use crate::db::{AppDb, Payment, PaymentWrite};
 use crate::problem::ApiError;
 
 /// Payments above this many minor units are declined (402, stored like any outcome).
@@ -30,6 +30,9 @@ struct NewPayment {
     customer: String,
     #[serde(default)]
     description: Option<String>,
+    /// The client's own reference for the payment, unique per tenant for good.
+    #[serde(default)]
+    reference: Option<String>,
 }
 
 /// Checks a request body; every problem found is listed.
@@ -67,6 +70,13 @@ fn validate(body: &[u8]) -> Result<NewPaymentChecked, ApiError> {
     {
         errors.push("description: must be at most 1000 characters".to_owned());
     }
+    if new
+        .reference
+        .as_ref()
+        .is_some_and(|r| !(1..=128).contains(&r.chars().count()))
+    {
+        errors.push("reference: must be 1 to 128 characters".to_owned());
+    }
     if !errors.is_empty() {
         return Err(ApiError::InvalidRequest(errors));
     }
@@ -75,6 +85,7 @@ fn validate(body: &[u8]) -> Result<NewPaymentChecked, ApiError> {
         currency: new.currency,
         customer: new.customer,
         description: new.description,
+        reference: new.reference,
     })
 }
 
@@ -83,6 +94,7 @@ struct NewPaymentChecked {
     currency: String,
     customer: String,
     description: Option<String>,
+    reference: Option<String>,
 }
 
 fn new_id() -> String {
@@ -126,16 +138,27 @@ pub(crate) async fn create_payment<S: AppDb>(
         description: new.description,
         status: "succeeded".to_owned(),
         created_at: now_rfc3339(),
+        reference: new.reference,
     };
-    if let Err(e) = S::insert_payment(&mut tx, &payment).await {
-        tracing::error!(error = %e, "writing the payment failed");
-        // Rolled back either way; a database that cannot take writes is a 503 that says
-        // why, like the layer's own, not a 500.
-        return match unavailable(&e) {
-            Some(reason) => ApiError::Unavailable(format!("{reason}; the payment was not made")),
-            None => ApiError::Internal,
+    match S::insert_payment(&mut tx, &payment).await {
+        Ok(PaymentWrite::Created) => {}
+        // The business key outlives the idempotency record: whatever the key, however late,
+        // a used reference names its payment (an outcome, stored like any other).
+        Ok(PaymentWrite::ReferenceUsed { payment_id }) => {
+            return ApiError::ReferenceUsed { payment_id }.into_response();
         }
-        .into_response();
+        Err(e) => {
+            tracing::error!(error = %e, "writing the payment failed");
+            // Rolled back either way; a database that cannot take writes is a 503 that says
+            // why, like the layer's own, not a 500.
+            return match unavailable(&e) {
+                Some(reason) => {
+                    ApiError::Unavailable(format!("{reason}; the payment was not made"))
+                }
+                None => ApiError::Internal,
+            }
+            .into_response();
+        }
     }
     if state.emit_messages {
         // `data` is the payment exactly as `GET /v1/payments/{id}` answers it.

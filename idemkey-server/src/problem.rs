@@ -21,6 +21,12 @@ pub(crate) enum ApiError {
     PaymentDeclined(String),
     /// No such payment for this tenant.
     NotFound,
+    /// The tenant already made the payment with this reference (stored and replayed like any
+    /// outcome): it names that payment.
+    ReferenceUsed {
+        /// The existing payment.
+        payment_id: String,
+    },
     /// The database failed.
     Internal,
     /// The database cannot be reached (health check, or a server still starting); the
@@ -33,6 +39,7 @@ pub(crate) enum ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        let mut payment_id = None;
         let (problem, detail, errors) = match self {
             Self::Unauthorized => (
                 &problem::UNAUTHORIZED,
@@ -49,6 +56,11 @@ impl IntoResponse for ApiError {
             }
             Self::PaymentDeclined(reason) => (&problem::PAYMENT_DECLINED, reason, None),
             Self::NotFound => (&problem::NOT_FOUND, "no such payment".to_owned(), None),
+            Self::ReferenceUsed { payment_id: id } => {
+                let detail = format!("this reference was already used by payment {id}");
+                payment_id = Some(id);
+                (&problem::PAYMENT_REFERENCE_USED, detail, None)
+            }
             Self::Internal => (
                 &problem::INTERNAL_ERROR,
                 "the request failed; nothing was executed".to_owned(),
@@ -74,6 +86,9 @@ impl IntoResponse for ApiError {
         });
         if let Some(errors) = errors {
             body["errors"] = serde_json::json!(errors);
+        }
+        if let Some(id) = payment_id {
+            body["payment_id"] = serde_json::json!(id);
         }
         let mut response = (status, body.to_string()).into_response();
         let headers = response.headers_mut();

@@ -12,7 +12,7 @@ use anyhow::Context;
 use axum::Router;
 use axum::extract::Request;
 use axum::response::IntoResponse;
-use idemkey_core::{StoreError, SystemClock};
+use idemkey_core::{FirstSentPolicy, StoreError, SystemClock};
 use idemkey_outbox::OutboxMetrics;
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::RusqliteStore;
@@ -149,6 +149,8 @@ pub struct ServeOptions {
     pub retention: Duration,
     /// What a retry gets while the first attempt runs.
     pub in_flight: InFlightPolicy,
+    /// How keyed requests' first-attempt times are read and judged.
+    pub first_sent: FirstSentPolicy,
     /// How often expired records are purged.
     pub purge_interval: Duration,
     /// Where outbox messages go; without a sink, payments emit none.
@@ -242,6 +244,8 @@ where
         simulate_latency: options.simulate_latency,
         retention: options.retention,
         in_flight: options.in_flight,
+        first_sent: options.first_sent,
+        clock: Arc::new(SystemClock),
         outbox: outbox_metrics.clone(),
     };
     let purge_interval = options.purge_interval;

@@ -1724,3 +1724,75 @@ async fn a_kept_connection_the_upstream_closed_is_not_used_again() {
     assert_eq!(requests.load(Ordering::SeqCst), 5, "each sent once");
     assert_eq!(connections.load(Ordering::SeqCst), 5);
 }
+
+// ---------------------------------------------------------------------------------------
+// The first attempt's time.
+
+impl Client {
+    /// A transfer of `key` stating `Repeatability-First-Sent: sent`.
+    async fn transfer_first_sent(&self, key: &str, sent: std::time::SystemTime) -> Answer {
+        let response = self
+            .http
+            .post(format!("{}{TRANSFERS}", self.base))
+            .bearer_auth(TOKEN)
+            .header("idempotency-key", key)
+            .header("repeatability-first-sent", httpdate::fmt_http_date(sent))
+            .header("content-type", "application/json")
+            .body("{\"amount\":1}")
+            .send()
+            .await
+            .expect("POST");
+        read(response).await.expect("body")
+    }
+}
+
+/// Through the gateway: a retry whose record expired and was purged, stating a first attempt
+/// older than the retention, is 412 and never reaches the upstream; many attempts of one late
+/// key at once are all refused; a changed first-sent time is 422 and a future one 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_retries_are_refused_and_never_forwarded() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    // A 4 s retention: the margin is a quarter of it, 1 s.
+    let gw = db.gateway(&upstream.base, &["--retention", "4s"]).await;
+    let client = client_of(&gw);
+    let now = std::time::SystemTime::now();
+
+    let first = client.transfer_first_sent("late-1", now).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(first.header("repeatability-result"), Some("accepted"));
+    let changed = client
+        .transfer_first_sent("late-1", now - Duration::from_secs(1))
+        .await;
+    changed.assert_problem(422, "key-reused");
+    assert_eq!(changed.json()["differs"], json!(["first-sent"]));
+    let ahead = now + Duration::from_secs(600);
+    let future = client.transfer_first_sent("late-future", ahead).await;
+    future.assert_problem(400, "first-sent-invalid");
+    assert_eq!(future.header("repeatability-result"), Some("rejected"));
+
+    // A bounded poll of the gateway until the record has expired, then the purge.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while client.get("/idempotency/v1/keys/late-1").await.status != 404 {
+        assert!(Instant::now() < deadline, "the record never expired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (ok, out, err) = db.keys(&["purge"]).await;
+    assert!(ok, "{out}{err}");
+    let retry = client.transfer_first_sent("late-1", now).await;
+    retry.assert_problem(412, "first-sent-expired");
+    assert_eq!(retry.header("repeatability-result"), Some("rejected"));
+    assert_eq!(
+        upstream.effects("late-1"),
+        1,
+        "the late retry was not forwarded"
+    );
+
+    let long_ago = now - Duration::from_secs(3600);
+    let storm = join_all((0..16).map(|_| client.transfer_first_sent("late-storm", long_ago))).await;
+    for answer in storm {
+        answer.assert_problem(412, "first-sent-expired");
+    }
+    assert_eq!(upstream.effects("late-storm"), 0);
+    assert_eq!(upstream.effects("late-future"), 0);
+}

@@ -11,6 +11,7 @@ async fn lossy_run(database_url: Option<String>) -> DemoReport {
         database_url: database_url.map(Into::into),
         seed: Some(30),
         quiet: true,
+        late: false,
     })
     .await
     .expect("the demo runs")
@@ -53,4 +54,41 @@ async fn five_hundred_payments_at_30_percent_loss_on_postgres() {
         .expect("fresh database");
     let report = lossy_run(Some(url)).await;
     assert_exactly_once(&report);
+}
+
+/// 200 payments whose lost answers are retried after the retention passed and the purge ran:
+/// none is created twice; every retry is refused (412, it stated its first attempt's time)
+/// or settled by the payment's reference (409).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn late_retries_after_the_purge_create_nothing_twice() {
+    let report = run(DemoOptions {
+        operations: 200,
+        loss: 0.3,
+        concurrency: 16,
+        database_url: None,
+        seed: Some(31),
+        quiet: true,
+        late: true,
+    })
+    .await
+    .expect("the demo runs");
+    assert!(report.failures.is_empty(), "{:?}", report.failures);
+    let late = report.late.as_ref().expect("a late report");
+    assert!(late.retried > 20, "answers were lost: {report:?}");
+    assert!(
+        late.refused > 0 && late.settled_by_reference > 0,
+        "{late:?}"
+    );
+    assert_eq!(late.refused + late.settled_by_reference, late.retried);
+    assert_eq!(report.succeeded + late.retried, 200);
+    assert_eq!(
+        report.payments_created, 200,
+        "each payment exists exactly once"
+    );
+    assert!(report.is_exact());
+    assert!(
+        report.render().contains("VERDICT: OK"),
+        "{}",
+        report.render()
+    );
 }

@@ -374,6 +374,7 @@ fn record(row: &rusqlite::Row<'_>) -> rusqlite::Result<RecordRow> {
         expires_at: row.get("expires_at")?,
         sealed_key: row.get("sealed_key")?,
         fingerprint_members: row.get("fingerprint_members")?,
+        first_sent: row.get("first_sent")?,
     })
 }
 
@@ -418,6 +419,7 @@ fn insert_row(conn: &Connection, r: &NewRecord) -> Result<Option<i64>, StoreErro
                     r.expires_at.as_millis(),
                     r.sealed_key.as_deref(),
                     r.fingerprint.members.as_ref().map(Members::to_bytes),
+                    r.first_sent.map(Timestamp::as_millis),
                 ],
                 |row| row.get(0),
             )
@@ -562,6 +564,7 @@ impl Store for RusqliteStore {
                         token,
                         r.sealed_key.as_deref(),
                         r.fingerprint.members.as_ref().map(Members::to_bytes),
+                        r.first_sent.map(Timestamp::as_millis),
                     ],
                     |row| row.get(0),
                 )

@@ -4,8 +4,8 @@
 pub(crate) const INSERT: &str = "INSERT INTO idemkey_records
                  (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
                   lease_expires_at, created_at, updated_at, expires_at, sealed_key,
-                  fingerprint_members)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1, ?7, ?8, ?8, ?9, ?10, ?11)
+                  fingerprint_members, first_sent)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1, ?7, ?8, ?8, ?9, ?10, ?11, ?12)
              ON CONFLICT (tenant, key_hash, route) DO NOTHING
              RETURNING token";
 
@@ -16,7 +16,7 @@ pub(crate) const REPLACE: &str = "UPDATE idemkey_records
                 SET fingerprint = ?4, fingerprint_parts = ?5, state = ?6, token = token + 1,
                     lease_expires_at = ?7, response_status = NULL, response_headers = NULL,
                     response_body = NULL, created_at = ?8, updated_at = ?8, expires_at = ?9,
-                    sealed_key = ?11, fingerprint_members = ?12
+                    sealed_key = ?11, fingerprint_members = ?12, first_sent = ?13
               WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?10
              RETURNING token";
 

@@ -173,7 +173,7 @@ fn claim_statement(r: &NewRecord) -> Option<String> {
          INSERT INTO idemkey_records \
              (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token, \
               lease_expires_at, created_at, updated_at, expires_at, sealed_key, \
-              fingerprint_members) \
+              fingerprint_members, first_sent) \
          VALUES (",
     );
     sql.text(&r.id.tenant)?.push(", ");
@@ -188,7 +188,9 @@ fn claim_statement(r: &NewRecord) -> Option<String> {
     sql.int(r.now.as_millis()).push(", ");
     sql.int(r.expires_at.as_millis()).push(", ");
     sql.opt_bytes(r.sealed_key.as_deref()).push(", ");
-    sql.opt_bytes(members.as_deref()).push(")");
+    sql.opt_bytes(members.as_deref()).push(", ");
+    sql.opt_int(r.first_sent.map(Timestamp::as_millis))
+        .push(")");
     Some(sql.0)
 }
 
@@ -331,11 +333,11 @@ impl GroupWriter for SqliteStore {
             "INSERT INTO idemkey_records
                  (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
                   lease_expires_at, created_at, updated_at, expires_at, sealed_key,
-                  fingerprint_members)
+                  fingerprint_members, first_sent)
              VALUES {}
              ON CONFLICT (tenant, key_hash, route) DO NOTHING
              RETURNING tenant, key_hash, route",
-            value_rows(rows.len(), 13)
+            value_rows(rows.len(), 14)
         );
         let mut statement = sqlx::query_as(AssertSqlSafe(sql));
         for r in &rows {
@@ -352,7 +354,8 @@ impl GroupWriter for SqliteStore {
                 .bind(r.now.as_millis())
                 .bind(r.expires_at.as_millis())
                 .bind(r.sealed_key.as_deref())
-                .bind(r.fingerprint.members.as_ref().map(Members::to_bytes));
+                .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
+                .bind(r.first_sent.map(Timestamp::as_millis));
         }
         let inserted = self.write_group(statement).await;
         let from_group = |record: &NewRecord| match &inserted {
@@ -551,6 +554,7 @@ impl Store for SqliteStore {
             .bind(r.expires_at.as_millis())
             .bind(r.sealed_key.as_deref())
             .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
+            .bind(r.first_sent.map(Timestamp::as_millis))
             .fetch_optional(&mut *conn)
             .await
             .map_err(error)?;
@@ -598,6 +602,7 @@ impl Store for SqliteStore {
             .bind(token)
             .bind(r.sealed_key.as_deref())
             .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
+            .bind(r.first_sent.map(Timestamp::as_millis))
             .fetch_optional(conn)
             .await
             .map_err(error)

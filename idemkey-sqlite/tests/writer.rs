@@ -302,6 +302,7 @@ async fn a_group_of_reservations_answers_each_writer() {
             now: claim.now,
             expires_at: claim.now.plus(claim.retention),
             sealed_key: None,
+            first_sent: None,
         }
     };
     let group = || vec![new_record("g-1"), new_record("g-2"), new_record("g-3")];

@@ -74,6 +74,7 @@ pub fn claim_at(id: &RecordId, body: u8, now: Timestamp) -> Claim {
         now,
         retention: RETENTION,
         sealed_key: None,
+        first_sent: None,
     }
 }
 
@@ -264,6 +265,7 @@ pub async fn claims_fresh_key_then_replays<H: Harness>(h: H) {
         ClaimOutcome::Replay {
             response: response("{\"id\":1}"),
             expires_at: now.plus(RETENTION),
+            first_sent: None,
         }
     );
     assert_eq!(h.count_effects().await, 1);
@@ -290,6 +292,7 @@ pub async fn claim_on_completed_key_returns_the_record<H: Harness>(h: H) {
         now,
         expires_at: now.plus(RETENTION),
         sealed_key: None,
+        first_sent: None,
     };
     let mut tx = store.begin().await.expect("begin");
     let found = store.insert(&mut tx, &new).await.expect("insert");
@@ -300,6 +303,7 @@ pub async fn claim_on_completed_key_returns_the_record<H: Harness>(h: H) {
     let replay = ClaimOutcome::Replay {
         response: response("{\"id\":1}"),
         expires_at: now.plus(RETENTION),
+        first_sent: None,
     };
     assert_eq!(outcome, replay);
     store.commit(tx).await.expect("commit");
@@ -537,6 +541,116 @@ pub async fn expired_record_is_claimed_anew<H: Harness>(h: H) {
         "{replay:?}"
     );
     assert_eq!(h.count_effects().await, 2);
+}
+
+/// The first attempt's time is stored with the record by every write that claims one (the
+/// layer's claim, a claim on the caller's transaction, a reservation, a takeover) and read
+/// back; a retry stating the same time, or none, replays, one stating another time is a
+/// mismatch naming it.
+pub async fn first_sent_is_stored_and_compared<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let now = Timestamp::now();
+    let sent = |secs: u64| Some(now.minus(Duration::from_secs(secs)));
+    let stating = |id: &RecordId, first_sent| Claim {
+        first_sent,
+        ..claim_at(id, 1, now)
+    };
+
+    let claimed = record_id("t1", "/v1/payments", "k-sent-claimed");
+    run_once(&h, &stating(&claimed, sent(10)), "claimed", "{}").await;
+    let on_tx = record_id("t1", "/v1/payments", "k-sent-on-tx");
+    let mut tx = store.begin().await.expect("begin");
+    let owned = protocol::claim(&store, &mut tx, &stating(&on_tx, sent(20)))
+        .await
+        .expect("claim");
+    assert!(matches!(owned, ClaimOutcome::Owned { .. }), "{owned:?}");
+    store.commit(tx).await.expect("commit");
+    let reserved = record_id("t1", "/v1/transfers", "k-sent-reserved");
+    let owned = protocol::reserve(&store, &stating(&reserved, sent(30)), HOUR)
+        .await
+        .expect("reserve");
+    assert!(matches!(owned, ClaimOutcome::Owned { .. }), "{owned:?}");
+    let taken_over = record_id("t1", "/v1/payments", "k-sent-taken-over");
+    let then = now.minus(RETENTION + HOUR);
+    run_once(&h, &claim_at(&taken_over, 1, then), "old", "{}").await;
+    let owned = run_once(&h, &stating(&taken_over, sent(40)), "new", "{}").await;
+    assert!(matches!(owned, ClaimOutcome::Owned { .. }), "{owned:?}");
+    for (id, expected) in [
+        (&claimed, sent(10)),
+        (&on_tx, sent(20)),
+        (&reserved, sent(30)),
+        (&taken_over, sent(40)),
+    ] {
+        let record = fetch(&h, id).await.expect("record");
+        assert_eq!(record.first_sent, expected, "{:?}", id.route);
+    }
+
+    let effects = h.count_effects().await;
+    for stated in [sent(10), None] {
+        let again = run_once(&h, &stating(&claimed, stated), "again", "{}").await;
+        assert!(
+            matches!(again, ClaimOutcome::Replay { first_sent, .. } if first_sent == sent(10)),
+            "{stated:?}: {again:?}"
+        );
+    }
+    match run_once(&h, &stating(&claimed, sent(11)), "changed", "{}").await {
+        ClaimOutcome::Mismatch { mismatch, .. } => {
+            assert!(mismatch.first_sent && !mismatch.body, "{mismatch:?}");
+        }
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+    assert_eq!(h.count_effects().await, effects, "no retry ran");
+}
+
+/// What the layer does for a first attempt too old for its record to be trusted: a look-up,
+/// never a claim. A live record answers it (a replay); once the record is purged, nothing
+/// does, and the look-up writes nothing, also when 32 attempts look it up at once.
+pub async fn late_lookup_after_purge_finds_nothing_and_writes_nothing<H: Harness>(h: H) {
+    let h = Arc::new(h);
+    let store = h.store().clone();
+    let id = record_id("t1", "/v1/payments", "k-purged");
+    let then = Timestamp::now().minus(RETENTION + HOUR);
+    let first = Claim {
+        first_sent: Some(then),
+        ..claim_at(&id, 1, then)
+    };
+    run_once(&*h, &first, "first", "{}").await;
+    let live = protocol::lookup(&store, &id, &first.fingerprint, first.first_sent, then)
+        .await
+        .expect("look up");
+    assert!(
+        matches!(live, Some(ClaimOutcome::Replay { .. })),
+        "{live:?}"
+    );
+
+    let now = Timestamp::now();
+    assert_eq!(
+        protocol::purge_expired(&store, now, 100)
+            .await
+            .expect("purge"),
+        1
+    );
+    let barrier = Arc::new(Barrier::new(32));
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            let (store, barrier, id, fp) = (
+                store.clone(),
+                barrier.clone(),
+                id.clone(),
+                first.fingerprint.clone(),
+            );
+            tokio::spawn(async move {
+                barrier.wait().await;
+                protocol::lookup(&store, &id, &fp, Some(then), now).await
+            })
+        })
+        .collect();
+    for task in tasks {
+        let answer = task.await.expect("task").expect("look up");
+        assert_eq!(answer, None, "nothing answers a purged record");
+    }
+    assert!(fetch(&*h, &id).await.is_none(), "nothing was stored");
+    assert_eq!(h.count_effects().await, 1, "nothing ran again");
 }
 
 /// Purge deletes expired records only, in batches of the configured size.
@@ -1198,6 +1312,8 @@ macro_rules! conformance_tests {
             fenced_completion_commits_nothing,
             scope_text_is_stored_as_given,
             expired_record_is_claimed_anew,
+            first_sent_is_stored_and_compared,
+            late_lookup_after_purge_finds_nothing_and_writes_nothing,
             purge_removes_expired_records_in_batches,
             purge_takes_the_earliest_expiry_first_from_where_it_is_told,
             scopes_are_independent,

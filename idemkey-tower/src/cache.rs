@@ -191,13 +191,14 @@ impl ReplayCache {
         }
     }
 
-    /// The answer the cached record of `id` gives to a request with `fingerprint` at `now`,
-    /// by [`decide`]: a replay or a mismatch. `None`: ask the store (nothing cached, or the
+    /// The answer the cached record of `id` gives to a request with `fingerprint` and
+    /// `first_sent` at `now`, by [`decide`]: a replay or a mismatch. `None`: ask the store (nothing cached, or the
     /// entry expired or is no longer trusted; it is dropped).
     pub(crate) fn answer(
         &self,
         id: &RecordId,
         fingerprint: &Fingerprint,
+        first_sent: Option<Timestamp>,
         now: Timestamp,
     ) -> Option<ClaimOutcome> {
         let digest = id.digest();
@@ -213,10 +214,11 @@ impl ReplayCache {
         let answer = if entry.trusted_until <= now {
             None
         } else {
-            match decide(Some(&entry.record), fingerprint, now) {
+            match decide(Some(&entry.record), fingerprint, first_sent, now) {
                 Decision::Replay(response) => Some(ClaimOutcome::Replay {
                     response: response.clone(),
                     expires_at,
+                    first_sent: entry.record.first_sent,
                 }),
                 Decision::Mismatch(mismatch) => Some(ClaimOutcome::Mismatch {
                     mismatch,
@@ -239,14 +241,17 @@ impl ReplayCache {
         answer
     }
 
-    /// Caches the completed record `id`: claimed by `fingerprint`, answering `response`
+    /// Caches the completed record `id`: claimed by `fingerprint` stating `first_sent`,
+    /// answering `response`
     /// until `expires_at`. Dropped when an invalidation came after `ticket`, or when the
     /// entry alone is larger than a shard may hold.
+    #[allow(clippy::too_many_arguments)] // the parts of the record it keeps, one by one
     pub(crate) fn insert(
         &self,
         ticket: Ticket,
         id: &RecordId,
         fingerprint: &Fingerprint,
+        first_sent: Option<Timestamp>,
         response: &StoredResponse,
         expires_at: Timestamp,
         now: Timestamp,
@@ -290,6 +295,7 @@ impl ReplayCache {
             updated_at: now,
             expires_at,
             sealed_key: None,
+            first_sent,
         };
         let digest = id.digest();
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
@@ -378,22 +384,23 @@ mod tests {
             cache.ticket(),
             &id("a"),
             &fp("{\"x\":1}"),
+            None,
             &response("ok"),
             expires,
             T0,
         );
-        let hit = cache.answer(&id("a"), &fp("{\"x\":1.0}"), T0);
+        let hit = cache.answer(&id("a"), &fp("{\"x\":1.0}"), None, T0);
         assert!(
-            matches!(hit, Some(ClaimOutcome::Replay { ref response, expires_at }) if response.body == b"ok" && expires_at == expires)
+            matches!(hit, Some(ClaimOutcome::Replay { ref response, expires_at, .. }) if response.body == b"ok" && expires_at == expires)
         );
         assert!(matches!(
-            cache.answer(&id("a"), &fp("{\"x\":2}"), T0),
+            cache.answer(&id("a"), &fp("{\"x\":2}"), None, T0),
             Some(ClaimOutcome::Mismatch { ref mismatch, .. }) if mismatch.pointer.as_deref() == Some("/x")
         ));
-        assert!(cache.answer(&id("b"), &fp("{\"x\":1}"), T0).is_none());
+        assert!(cache.answer(&id("b"), &fp("{\"x\":1}"), None, T0).is_none());
         assert!(
             cache
-                .answer(&id("a"), &fp("{\"x\":1}"), T0.plus(UNNOTIFIED_BOUND))
+                .answer(&id("a"), &fp("{\"x\":1}"), None, T0.plus(UNNOTIFIED_BOUND))
                 .is_none()
         );
         assert_eq!(cache.len(), 0, "an untrusted entry is dropped");
@@ -408,26 +415,28 @@ mod tests {
             cache.ticket(),
             &id("a"),
             &fp("{}"),
+            None,
             &response("ok"),
             expires,
             T0,
         );
         let later = T0.plus(Duration::from_secs(600));
-        assert!(cache.answer(&id("a"), &fp("{}"), later).is_some());
+        assert!(cache.answer(&id("a"), &fp("{}"), None, later).is_some());
         assert!(
-            cache.answer(&id("a"), &fp("{}"), expires).is_none(),
+            cache.answer(&id("a"), &fp("{}"), None, expires).is_none(),
             "expired"
         );
         cache.insert(
             cache.ticket(),
             &id("a"),
             &fp("{}"),
+            None,
             &response("ok"),
             expires,
             T0,
         );
         cache.apply(EvictionNotice::Evicted(id("a").digest()));
-        assert!(cache.answer(&id("a"), &fp("{}"), later).is_none());
+        assert!(cache.answer(&id("a"), &fp("{}"), None, later).is_none());
     }
 
     #[test]
@@ -436,7 +445,15 @@ mod tests {
         let ticket = cache.ticket();
         cache.apply(EvictionNotice::Evicted(id("a").digest()));
         let expires = T0.plus(Duration::from_secs(3600));
-        cache.insert(ticket, &id("a"), &fp("{}"), &response("ok"), expires, T0);
+        cache.insert(
+            ticket,
+            &id("a"),
+            &fp("{}"),
+            None,
+            &response("ok"),
+            expires,
+            T0,
+        );
         assert_eq!(cache.len(), 0);
     }
 
@@ -449,20 +466,22 @@ mod tests {
                 cache.ticket(),
                 &id(key),
                 &fp("{}"),
+                None,
                 &response("ok"),
                 expires,
                 T0,
             );
         }
         assert_eq!(cache.len(), 2);
-        assert!(cache.answer(&id("a"), &fp("{}"), T0).is_none());
-        assert!(cache.answer(&id("c"), &fp("{}"), T0).is_some());
+        assert!(cache.answer(&id("a"), &fp("{}"), None, T0).is_none());
+        assert!(cache.answer(&id("c"), &fp("{}"), None, T0).is_some());
         let small = ReplayCache::new(100, 2 * ENTRY_OVERHEAD + 64);
         for key in ["a", "b", "c"] {
             small.insert(
                 small.ticket(),
                 &id(key),
                 &fp("{}"),
+                None,
                 &response("ok"),
                 expires,
                 T0,
@@ -473,12 +492,13 @@ mod tests {
             small.ticket(),
             &id("d"),
             &fp("{}"),
+            None,
             &response(&"x".repeat(4096)),
             expires,
             T0,
         );
         assert!(
-            small.answer(&id("d"), &fp("{}"), T0).is_none(),
+            small.answer(&id("d"), &fp("{}"), None, T0).is_none(),
             "too large to cache"
         );
     }

@@ -5,7 +5,10 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use http::HeaderName;
-use idemkey_core::{AnswerRule, Clock, FingerprintSpec, KeyHasher, RecordId, SystemClock};
+use idemkey_core::{
+    AnswerRule, Clock, FingerprintSpec, FirstSentPolicy, FirstSentRequirement, KeyHasher, RecordId,
+    SystemClock,
+};
 use tower_layer::Layer;
 
 use crate::cache::{self, ReplayCache};
@@ -23,6 +26,8 @@ pub(crate) struct Config {
     pub(crate) requirement: KeyRequirement,
     pub(crate) in_flight: InFlightPolicy,
     pub(crate) retention: Duration,
+    /// How `Repeatability-First-Sent` is read and judged.
+    pub(crate) first_sent: FirstSentPolicy,
     pub(crate) max_request_body: usize,
     pub(crate) max_stored_response: usize,
     pub(crate) stored_headers: Vec<HeaderName>,
@@ -119,6 +124,7 @@ impl<S> IdempotencyLayer<S> {
                 requirement: KeyRequirement::Required,
                 in_flight: InFlightPolicy::default(),
                 retention: Duration::from_secs(24 * 3600),
+                first_sent: FirstSentPolicy::default(),
                 max_request_body: 1024 * 1024,
                 max_stored_response: 1024 * 1024,
                 stored_headers: Vec::new(),
@@ -223,6 +229,43 @@ impl<S> IdempotencyLayer<S> {
     /// ```
     pub fn retention(self, retention: Duration) -> Self {
         self.with(|c| c.retention = retention)
+    }
+
+    /// Whether keyed requests must state their first attempt's time in
+    /// `Repeatability-First-Sent` (default: optional; required: 400 `first-sent-missing`
+    /// without it).
+    ///
+    /// A keyed request that states it is refused with 412 `first-sent-expired` when that time
+    /// is longer ago than the retention less a margin for clock skew
+    /// ([`FirstSentPolicy::margin`]: the skew allowance, at most a quarter of the retention)
+    /// and no live record answers it. Such a request claims nothing; it is only looked up.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use idemkey_core::FirstSentRequirement;
+    ///
+    /// // A payment route: a retry that cannot prove it is inside the window is refused.
+    /// let layer = idempotency.clone().first_sent(FirstSentRequirement::Required);
+    /// # }
+    /// ```
+    pub fn first_sent(self, requirement: FirstSentRequirement) -> Self {
+        self.with(|c| c.first_sent.requirement = requirement)
+    }
+
+    /// How far the clocks of client and server may disagree (default 5 minutes): a
+    /// `Repeatability-First-Sent` further ahead of the server's clock is refused with 400
+    /// `first-sent-invalid`, and up to this much (at most a quarter of the retention) is taken
+    /// off the retention before a first attempt counts as too old.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use std::time::Duration;
+    ///
+    /// let layer = idempotency.clone().first_sent_skew(Duration::from_secs(60));
+    /// # }
+    /// ```
+    pub fn first_sent_skew(self, skew: Duration) -> Self {
+        self.with(|c| c.first_sent.skew = skew)
     }
 
     /// The largest request body accepted on keyed requests (larger: 413, nothing stored).

@@ -25,7 +25,7 @@ pub enum Outcome {
     Indeterminate,
     /// 503: the store failed.
     StoreError,
-    /// 400 / 413: the request was refused before any claim.
+    /// 400 / 412 / 413: the request was refused before any claim.
     Rejected,
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
 use idemkey_core::problem::{self, ProblemType};
-use idemkey_core::{KeyError, Mismatch};
+use idemkey_core::{FirstSentError, KeyError, Mismatch, Timestamp};
 
 pub use idemkey_core::problem::{PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 
@@ -32,6 +32,26 @@ pub enum IdempotencyRejection {
     /// The request body could not be read.
     #[error("the request body could not be read")]
     RequestUnreadable,
+    /// `Repeatability-First-Sent` is missing where the route requires it, malformed, or
+    /// further ahead than the clock-skew allowance.
+    #[error("{0}")]
+    FirstSent(FirstSentError),
+    /// The first attempt was sent longer ago than the retention less the clock-skew margin,
+    /// and no live record answers it: it is not run. The problem carries `first_sent`,
+    /// `retention_secs` and `margin_secs`.
+    #[error(
+        "the first attempt of this request was sent more than the retention ({} s) less a margin of {} s ago, and no record of it is kept: it may have been executed already, so it was not executed again",
+        retention.as_secs(),
+        margin.as_secs_f64()
+    )]
+    FirstSentExpired {
+        /// The first attempt's time the request stated.
+        first_sent: Timestamp,
+        /// The route's retention.
+        retention: Duration,
+        /// The clock-skew margin taken off it.
+        margin: Duration,
+    },
     /// The key was already used with a different request: the problem names the parts that
     /// differ (`differs`) and, for a JSON body, the first member that differs (`pointer`).
     #[error("this Idempotency-Key was used with a different request ({0})")]
@@ -132,6 +152,9 @@ impl IdempotencyRejection {
             Self::KeyInvalid(_) => &problem::KEY_INVALID,
             Self::RequestTooLarge { .. } => &problem::REQUEST_TOO_LARGE,
             Self::RequestUnreadable => &problem::REQUEST_UNREADABLE,
+            Self::FirstSent(FirstSentError::Missing) => &problem::FIRST_SENT_MISSING,
+            Self::FirstSent(_) => &problem::FIRST_SENT_INVALID,
+            Self::FirstSentExpired { .. } => &problem::FIRST_SENT_EXPIRED,
             Self::KeyReused(_) => &problem::KEY_REUSED,
             Self::InFlight { .. } => &problem::REQUEST_IN_FLIGHT,
             Self::OutcomeUnknown { .. } => &problem::OUTCOME_UNKNOWN,
@@ -179,6 +202,16 @@ impl IntoResponse for IdempotencyRejection {
                 if let Some(pointer) = &m.pointer {
                     body["pointer"] = serde_json::json!(pointer);
                 }
+            }
+            Self::FirstSentExpired {
+                first_sent,
+                retention,
+                margin,
+            } => {
+                body["first_sent"] =
+                    serde_json::json!(httpdate::fmt_http_date(first_sent.to_system_time()));
+                body["retention_secs"] = serde_json::json!(retention.as_secs());
+                body["margin_secs"] = serde_json::json!(margin.as_secs_f64());
             }
             Self::InFlight { retry_after: r }
             | Self::StoreUnavailable { retry_after: r }

@@ -28,6 +28,9 @@ struct RecordView {
     created_at: String,
     updated_at: String,
     expires_at: String,
+    /// The first attempt's time the claiming request stated, when it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    first_sent: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     response_status: Option<u16>,
 }
@@ -50,6 +53,7 @@ impl From<&Record> for RecordView {
             created_at: rfc3339(r.created_at),
             updated_at: rfc3339(r.updated_at),
             expires_at: rfc3339(r.expires_at),
+            first_sent: r.first_sent.map(rfc3339),
             response_status: r.response.as_ref().map(|resp| resp.status),
         }
     }

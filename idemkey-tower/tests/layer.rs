@@ -985,3 +985,172 @@ async fn a_far_future_expiry_is_answered_and_replayed_without_a_panic() {
     );
     assert_eq!(effects(&store).await, 1);
 }
+
+// ---------------------------------------------------------------------------------------
+// The first attempt's time: `Repeatability-First-Sent`.
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// `request` with `Repeatability-First-Sent: sent`.
+fn sent_at(key: &str, body: &str, sent: idemkey_core::Timestamp) -> Request<Body> {
+    let mut req = request(Some(key), body);
+    let date = httpdate::fmt_http_date(sent.to_system_time());
+    req.headers_mut()
+        .insert("repeatability-first-sent", date.parse().unwrap());
+    req
+}
+
+/// A retry whose record was purged, stating a first attempt older than the retention, is
+/// refused with 412 and runs nothing; before the first-sent time was read it ran again.
+#[tokio::test]
+async fn refuses_a_late_retry_whose_record_was_purged() {
+    let (_dir, store) = setup().await;
+    let clock = ManualClock::new();
+    let app = app(layer(&store).retention(HOUR).clock(clock.clone()));
+    let sent = clock.now();
+    let first = send(&app, sent_at("k-late", r#"{"status": 201}"#, sent)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.header("repeatability-result"), Some("accepted"));
+
+    clock.advance(2 * HOUR);
+    let purged = idemkey_core::protocol::purge_expired(&store, clock.now(), 100).await;
+    assert_eq!(purged.unwrap(), 1);
+    let retry = send(&app, sent_at("k-late", r#"{"status": 201}"#, sent)).await;
+    let problem = retry.problem(StatusCode::PRECONDITION_FAILED, "first-sent-expired");
+    assert_eq!(retry.header("repeatability-result"), Some("rejected"));
+    assert_eq!(problem["retention_secs"], 3600);
+    assert_eq!(problem["margin_secs"], 300.0);
+    assert_eq!(effects(&store).await, 1, "nothing ran again");
+    assert_eq!(records(&store).await, 0, "nothing was stored");
+}
+
+/// A 30 s retention still works: a current first-sent time runs, once, and its retries
+/// replay; the record and the status resource keep the time.
+#[tokio::test]
+async fn a_current_first_sent_runs_once_on_a_short_retention() {
+    let (_dir, store) = setup().await;
+    let clock = ManualClock::new();
+    let idempotency = layer(&store)
+        .retention(Duration::from_secs(30))
+        .clock(clock.clone());
+    let app = app(idempotency.clone()).merge(idempotency.status_router());
+    let sent = clock.now();
+    let first = send(&app, sent_at("k-short", r#"{"status": 201}"#, sent)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    clock.advance(Duration::from_secs(20));
+    let retry = send(&app, sent_at("k-short", r#"{"status": 201}"#, sent)).await;
+    assert!(retry.replayed(), "{:?}", retry.body);
+    assert_eq!(retry.header("repeatability-result"), Some("accepted"));
+    assert_eq!(effects(&store).await, 1);
+
+    let status = send(
+        &app,
+        Request::get("/idempotency/v1/keys/k-short")
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status.status, StatusCode::OK);
+    assert_eq!(
+        status.json()["records"][0]["first_sent"],
+        "2027-01-15T08:00:00.000Z"
+    );
+}
+
+/// A late retry whose record is still live is answered by it: a replay, without a claim.
+#[tokio::test]
+async fn a_late_retry_of_a_live_record_replays() {
+    let (_dir, store) = setup().await;
+    let clock = ManualClock::new();
+    let app = app(layer(&store)
+        .retention(HOUR)
+        .no_replay_cache()
+        .clock(clock.clone()));
+    let sent = clock.now();
+    send(&app, sent_at("k-live", r#"{"status": 201}"#, sent)).await;
+    // Inside the retention, past the retention less the 5 min margin.
+    clock.advance(HOUR - Duration::from_secs(60));
+    let retry = send(&app, sent_at("k-live", r#"{"status": 201}"#, sent)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(effects(&store).await, 1);
+}
+
+/// A first-sent time further ahead than the skew allowance, a malformed one, or none where
+/// the route requires it: 400, nothing runs, nothing is stored.
+#[tokio::test]
+async fn refuses_future_malformed_and_missing_first_sent_with_400() {
+    let (_dir, store) = setup().await;
+    let clock = ManualClock::new();
+    let optional = app(layer(&store).clock(clock.clone()));
+    let ahead = clock.now().plus(Duration::from_secs(6 * 60));
+    let future = send(&optional, sent_at("k-future", "{}", ahead)).await;
+    future.problem(StatusCode::BAD_REQUEST, "first-sent-invalid");
+    assert_eq!(future.header("repeatability-result"), Some("rejected"));
+    let near = clock.now().plus(Duration::from_secs(4 * 60));
+    let within = send(&optional, sent_at("k-near", "{}", near)).await;
+    assert_eq!(within.status, StatusCode::CREATED, "within the allowance");
+
+    let mut malformed = request(Some("k-malformed"), "{}");
+    malformed
+        .headers_mut()
+        .insert("repeatability-first-sent", "yesterday".parse().unwrap());
+    send(&optional, malformed)
+        .await
+        .problem(StatusCode::BAD_REQUEST, "first-sent-invalid");
+
+    let required = app(layer(&store)
+        .first_sent(idemkey_core::FirstSentRequirement::Required)
+        .clock(clock.clone()));
+    let missing = send(&required, request(Some("k-missing"), "{}")).await;
+    missing.problem(StatusCode::BAD_REQUEST, "first-sent-missing");
+    assert_eq!(missing.header("repeatability-result"), None);
+    assert_eq!(effects(&store).await, 1);
+    assert_eq!(records(&store).await, 1);
+}
+
+/// A retry that states another first-sent time is another request (422 naming it); one that
+/// states none replays.
+#[tokio::test]
+async fn rejects_a_changed_first_sent_as_a_different_request() {
+    let (_dir, store) = setup().await;
+    let clock = ManualClock::new();
+    let app = app(layer(&store).clock(clock.clone()));
+    let sent = clock.now();
+    send(&app, sent_at("k-changed", "{}", sent)).await;
+    let earlier = sent.minus(Duration::from_secs(1));
+    let changed = send(&app, sent_at("k-changed", "{}", earlier)).await;
+    let problem = changed.problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+    assert_eq!(problem["differs"], json!(["first-sent"]));
+    let without = send(&app, request(Some("k-changed"), "{}")).await;
+    assert!(without.replayed());
+    assert_eq!(without.header("repeatability-result"), None);
+    assert_eq!(effects(&store).await, 1);
+}
+
+/// Many attempts of one late key at once: every one is refused, none runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_late_attempts_at_once_are_all_refused() {
+    const ATTEMPTS: usize = 32;
+    let (_dir, store) = setup().await;
+    let clock = ManualClock::new();
+    let app = app(layer(&store).retention(HOUR).clock(clock.clone()));
+    let sent = clock.now().minus(2 * HOUR);
+    let barrier = Arc::new(tokio::sync::Barrier::new(ATTEMPTS));
+    let tasks: Vec<_> = (0..ATTEMPTS)
+        .map(|_| {
+            let (app, barrier) = (app.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                send(&app, sent_at("k-storm", r#"{"status": 201}"#, sent)).await
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await
+            .unwrap()
+            .problem(StatusCode::PRECONDITION_FAILED, "first-sent-expired");
+    }
+    assert_eq!(effects(&store).await, 0);
+    assert_eq!(records(&store).await, 0);
+}

@@ -24,7 +24,7 @@ use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::{Method, header};
-use idemkey_core::{AnswerRule, SystemClock};
+use idemkey_core::{AnswerRule, FirstSentPolicy, SystemClock};
 use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
 
 use crate::cli::KeySecretArgs;
@@ -290,6 +290,8 @@ pub struct GatewayOptions {
     pub retention: Duration,
     /// Where each request's tenant comes from.
     pub tenants: TenantSource,
+    /// How keyed requests' first-attempt times are read and judged.
+    pub first_sent: FirstSentPolicy,
     /// The database URL, as messages name it.
     pub database_url: crate::secret::SecretUrl,
     /// The key secret (and the previous one); without one, see `key_secret_in_database`.
@@ -422,6 +424,8 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
                 .answers(rule.answers.clone())
                 .in_flight(options.in_flight)
                 .retention(options.retention)
+                .first_sent(options.first_sent.requirement)
+                .first_sent_skew(options.first_sent.skew)
                 .max_request_body(options.max_request_body)
                 .max_stored_response(options.max_stored_response)
                 .metrics(metrics.clone())

@@ -167,7 +167,7 @@ async fn unknown_records<S: AppDb>(gw: &Gateway<S>, now: Timestamp) -> anyhow::R
     }
     records.retain(|r| {
         matches!(
-            decide(Some(r), &r.fingerprint, now),
+            decide(Some(r), &r.fingerprint, r.first_sent, now),
             Decision::OutcomeUnknown { .. }
         )
     });

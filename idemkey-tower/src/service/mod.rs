@@ -22,8 +22,8 @@ use futures::future::BoxFuture;
 use http::{HeaderMap, HeaderValue, Method, Request, header};
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{
-    Fingerprint, HEADER_NAME, IdempotencyKey, RecordId, RequestParts, Scope, Store, StoreError,
-    StoredResponse, Timestamp, fingerprint,
+    FIRST_SENT_HEADER, Fingerprint, HEADER_NAME, IdempotencyKey, REPEATABILITY_RESULT_HEADER,
+    RecordId, RequestParts, Scope, Store, StoreError, StoredResponse, Timestamp, fingerprint,
 };
 use tower_service::Service;
 use tracing::Instrument;
@@ -104,7 +104,30 @@ where
         }
     };
     match key {
-        Some(key) => Keyed::new(layer, key, req.headers()).run(inner, req).await,
+        Some(key) => {
+            // The time of the first attempt, read before anything else of a keyed request.
+            let fields = req.headers().get_all(FIRST_SENT_HEADER);
+            let stated = fields.iter().next().is_some();
+            let now = config.clock.now();
+            match config
+                .first_sent
+                .read(fields.iter().map(HeaderValue::as_bytes), now)
+            {
+                Ok(first_sent) => {
+                    Keyed::new(layer, key, req.headers(), first_sent, stated)
+                        .run(inner, req)
+                        .await
+                }
+                Err(e) => {
+                    let mut response =
+                        refused(&config, req, IdempotencyRejection::FirstSent(e)).await;
+                    if stated {
+                        repeatability_result(&mut response, Outcome::Rejected);
+                    }
+                    response
+                }
+            }
+        }
         None if config.requirement == KeyRequirement::Required => {
             refused(&config, req, IdempotencyRejection::KeyMissing).await
         }
@@ -134,6 +157,19 @@ async fn refused(config: &Config, req: Request<Body>, rejection: IdempotencyReje
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     response
+}
+
+/// `Repeatability-Result` for a request that stated its first attempt's time: `accepted`
+/// when the handler ran or its stored outcome was replayed, `rejected` otherwise.
+fn repeatability_result(response: &mut Response, outcome: Outcome) {
+    let result = match outcome {
+        Outcome::Executed | Outcome::NotStored | Outcome::Replayed => "accepted",
+        _ => "rejected",
+    };
+    response.headers_mut().insert(
+        REPEATABILITY_RESULT_HEADER,
+        HeaderValue::from_static(result),
+    );
 }
 
 /// Warns, once per layer, that a keyed request came without a [`Tenant`]: every such
@@ -184,6 +220,11 @@ struct Keyed<S> {
     key: IdempotencyKey,
     /// The request's `Accept-Encoding` fields: the codings a replay may be sent in.
     accept_encoding: Vec<HeaderValue>,
+    /// The first attempt's time the request stated, accepted by the route's policy.
+    first_sent: Option<Timestamp>,
+    /// Whether the request carried `Repeatability-First-Sent`: its answers then carry
+    /// `Repeatability-Result`.
+    stated: bool,
     started: Instant,
     /// The replay cache's generation before this request read the store: a fill from an
     /// older read is refused (see `crate::cache`).
@@ -191,7 +232,13 @@ struct Keyed<S> {
 }
 
 impl<S: Store> Keyed<S> {
-    fn new(layer: IdempotencyLayer<S>, key: IdempotencyKey, headers: &HeaderMap) -> Self {
+    fn new(
+        layer: IdempotencyLayer<S>,
+        key: IdempotencyKey,
+        headers: &HeaderMap,
+        first_sent: Option<Timestamp>,
+        stated: bool,
+    ) -> Self {
         let config = layer.config.clone();
         config.metrics.attempt();
         Self {
@@ -201,6 +248,8 @@ impl<S: Store> Keyed<S> {
             accept_encoding: (headers.get_all(header::ACCEPT_ENCODING).iter())
                 .cloned()
                 .collect(),
+            first_sent,
+            stated,
             started: Instant::now(),
             ticket: crate::cache::Ticket::default(),
         }
@@ -209,7 +258,11 @@ impl<S: Store> Keyed<S> {
     fn finish(&self, outcome: Outcome, response: impl IntoResponse) -> Response {
         self.config.metrics.record(outcome, self.started.elapsed());
         tracing::Span::current().record("outcome", tracing::field::debug(outcome));
-        response.into_response()
+        let mut response = response.into_response();
+        if self.stated {
+            repeatability_result(&mut response, outcome);
+        }
+        response
     }
 
     /// The answer from the record `id` this attempt did not claim; a replay is cached.
@@ -222,9 +275,10 @@ impl<S: Store> Keyed<S> {
         if let ClaimOutcome::Replay {
             response,
             expires_at,
+            first_sent,
         } = &outcome
         {
-            self.cache_completed(id, fingerprint, response, *expires_at);
+            self.keep(id, fingerprint, *first_sent, response, *expires_at);
         }
         self.answer(outcome)
     }
@@ -237,7 +291,7 @@ impl<S: Store> Keyed<S> {
         self.finish(outcome, response)
     }
 
-    /// Keeps a completed record in the replay cache (when there is one).
+    /// Keeps the record this attempt completed in the replay cache (when there is one).
     fn cache_completed(
         &self,
         id: &RecordId,
@@ -245,9 +299,49 @@ impl<S: Store> Keyed<S> {
         response: &StoredResponse,
         expires_at: Timestamp,
     ) {
+        self.keep(id, fingerprint, self.first_sent, response, expires_at);
+    }
+
+    /// Keeps a completed record in the replay cache (when there is one).
+    fn keep(
+        &self,
+        id: &RecordId,
+        fingerprint: &Fingerprint,
+        first_sent: Option<Timestamp>,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) {
         if let Some(cache) = &self.config.cache {
             let now = self.config.clock.now();
-            cache.insert(self.ticket, id, fingerprint, response, expires_at, now);
+            cache.insert(
+                self.ticket,
+                id,
+                fingerprint,
+                first_sent,
+                response,
+                expires_at,
+                now,
+            );
+        }
+    }
+
+    /// What the record `id` answers this request, read without a claim
+    /// ([`protocol::lookup`]); a store failure is the answer.
+    async fn look_up(
+        &self,
+        id: &RecordId,
+        claim: &Claim,
+    ) -> Result<Option<ClaimOutcome>, Response> {
+        let store = &self.layer.store;
+        match protocol::lookup(store, id, &claim.fingerprint, claim.first_sent, claim.now).await {
+            Ok(outcome) => Ok(outcome),
+            Err(protocol::Error::Store(e)) => {
+                Err(self.finish(Outcome::StoreError, store_unavailable(&e)))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "looking up an idempotency record failed");
+                Err(self.finish(Outcome::StoreError, IdempotencyRejection::Internal))
+            }
         }
     }
 
@@ -293,7 +387,9 @@ impl<S: Store> Keyed<S> {
             }
             claim.now = config.clock.now();
             if let Some(cache) = &config.cache {
-                if let Some(outcome) = cache.answer(&claim.id, &claim.fingerprint, claim.now) {
+                if let Some(outcome) =
+                    cache.answer(&claim.id, &claim.fingerprint, claim.first_sent, claim.now)
+                {
                     config.metrics.replay_cache_hit();
                     return Err(self.answer(outcome));
                 }
@@ -359,13 +455,17 @@ impl<S: Store> Keyed<S> {
                 now: config.clock.now(),
                 retention: config.retention,
                 sealed_key: None,
+                first_sent: self.first_sent,
             };
             // A completed record in memory answers as the store would, without the store.
             if let Some(cache) = &config.cache {
                 cache.follow(&self.layer.store);
                 self.ticket = cache.ticket();
                 for id in std::iter::once(&claim.id).chain(&previous_id) {
-                    if let Some(outcome) = cache.answer(id, &claim.fingerprint, claim.now) {
+                    let first_sent = claim.first_sent;
+                    if let Some(outcome) =
+                        cache.answer(id, &claim.fingerprint, first_sent, claim.now)
+                    {
                         // Not filled again: an entry's trust is counted from the store read.
                         config.metrics.replay_cache_hit();
                         return self.answer(outcome);
@@ -374,22 +474,34 @@ impl<S: Store> Keyed<S> {
             }
             // Key-secret rotation: a live record under the previous secret answers first.
             if let Some(previous_id) = &previous_id {
-                let store = &self.layer.store;
-                match protocol::lookup_previous(store, previous_id, &claim.fingerprint, claim.now)
-                    .await
-                {
+                match self.look_up(previous_id, &claim).await {
                     Ok(Some(outcome)) => {
                         return self.answer_existing(outcome, previous_id, &claim.fingerprint);
                     }
                     Ok(None) => {}
-                    Err(protocol::Error::Store(e)) => {
-                        return self.finish(Outcome::StoreError, store_unavailable(&e));
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "looking up the previous secret's record failed");
-                        return self.finish(Outcome::StoreError, IdempotencyRejection::Internal);
-                    }
+                    Err(answer) => return answer,
                 }
+            }
+            // A first attempt too old for its record to be trusted to exist: a live record
+            // answers, else the request is refused. Nothing is claimed, so no attempt of it
+            // can run.
+            if let Some(sent) = claim.first_sent
+                && config.first_sent.is_late(sent, claim.now, config.retention)
+            {
+                return match self.look_up(&claim.id, &claim).await {
+                    Ok(Some(outcome)) => {
+                        self.answer_existing(outcome, &claim.id, &claim.fingerprint)
+                    }
+                    Ok(None) => self.finish(
+                        Outcome::Rejected,
+                        IdempotencyRejection::FirstSentExpired {
+                            first_sent: sent,
+                            retention: config.retention,
+                            margin: config.first_sent.margin(config.retention),
+                        },
+                    ),
+                    Err(answer) => answer,
+                };
             }
             // Only a request that goes on to claim needs its key sealed (external mode).
             if let (Some(_), Some(seal)) = (&config.external, &config.seal) {

@@ -96,6 +96,7 @@ pub(super) fn answer_claim(
         ClaimOutcome::Replay {
             response,
             expires_at,
+            ..
         } => return (Outcome::Replayed, replay(response, expires_at, accept)),
         ClaimOutcome::Mismatch {
             mismatch,
