@@ -108,6 +108,17 @@ impl PgStore {
         &self.pool
     }
 
+    /// Whether the store was connected through a pooler in transaction mode
+    /// ([`POOLER_PARAMETER`](Self::POOLER_PARAMETER)). The application's own statements
+    /// with parameters must then not be kept prepared (sqlx's
+    /// [`persistent(false)`](sqlx::query::Query::persistent)) and must run inside a
+    /// transaction: sqlx parses and executes such a statement in two exchanges, which only
+    /// a transaction keeps on one server connection. See docs/operations.md, "Behind a
+    /// pooler".
+    pub fn through_pooler(&self) -> bool {
+        self.pooled
+    }
+
     /// This store's migrations, tracked in [`MIGRATIONS_TABLE`](Self::MIGRATIONS_TABLE) so
     /// they share a database with the application's own.
     pub fn migrator() -> Migrator {
@@ -135,7 +146,9 @@ impl PgStore {
         let mut conn = PgConnection::connect_with(&self.pool.connect_options()).await?;
         let migrated = async {
             let mut tx = conn.begin().await?;
-            migrator.run(&mut *tx).await?;
+            // What `run` does once it has a connection; `run` itself, generic over
+            // `Acquire`, makes a future the compiler cannot prove `Send` here.
+            migrator.run_direct(None, &mut *tx, false).await?;
             tx.clear_cached_statements().await?;
             tx.commit().await?;
             Ok::<_, MigrateError>(())

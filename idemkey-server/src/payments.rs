@@ -127,7 +127,7 @@ pub(crate) async fn create_payment<S: AppDb>(
         status: "succeeded".to_owned(),
         created_at: now_rfc3339(),
     };
-    if let Err(e) = S::insert_payment(&mut tx, &payment).await {
+    if let Err(e) = state.db.insert_payment(&mut tx, &payment).await {
         tracing::error!(error = %e, "writing the payment failed");
         // Rolled back either way; a database that cannot take writes is a 503 that says
         // why, like the layer's own, not a 500.

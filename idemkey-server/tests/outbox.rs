@@ -69,7 +69,7 @@ async fn read_outbox(backend: &Backend) -> (Vec<Row>, Vec<String>) {
             (rows, ids)
         }
         Kind::Postgres => {
-            let pool = sqlx::PgPool::connect(backend.url()).await.unwrap();
+            let pool = sqlx::PgPool::connect(backend.direct_url()).await.unwrap();
             let rows = sqlx::query_as(outbox).fetch_all(&pool).await.unwrap();
             let ids = sqlx::query_scalar(payments).fetch_all(&pool).await.unwrap();
             pool.close().await;
@@ -525,4 +525,14 @@ async fn sqlite_operator_commands_and_the_relay_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_operator_commands_and_the_relay_process() {
     operator_commands_and_the_relay_process(Backend::postgres().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgbouncer_kill9_under_load_one_message_per_payment() {
+    kill9_under_load_one_message_per_payment(Backend::postgres_through_pgbouncer().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgbouncer_operator_commands_and_the_relay_process() {
+    operator_commands_and_the_relay_process(Backend::postgres_through_pgbouncer().await).await;
 }
