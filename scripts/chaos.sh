@@ -26,7 +26,7 @@ export IDEMKEY_FUZZ_CASES=${IDEMKEY_FUZZ_CASES:-20000}
 LOG=${CHAOS_LOG:-$(mktemp -t idemkey-chaos.XXXXXX)}
 : >"$LOG"
 
-server_tests=(chaos_postgres chaos_sqlite chaos_gateway gateway_bad_input)
+server_tests=(chaos_postgres chaos_pgbouncer chaos_sqlite chaos_gateway gateway_bad_input)
 build_args=()
 for t in "${server_tests[@]}"; do build_args+=(--test "$t"); done
 echo "building the chaos tests…" >&2
