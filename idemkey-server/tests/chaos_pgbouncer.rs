@@ -26,11 +26,10 @@ use idemkey_testkit::PgBouncer;
 async fn pgbouncer_killed_under_load_loses_and_duplicates_nothing() {
     let ops = load::scaled(300);
     let rounds = load::iterations(1);
-    let pgbouncer = tokio::task::spawn_blocking(|| {
-        PgBouncer::start(&idemkey_testkit::postgres_url(), 20)
-    })
-    .await
-    .expect("pgbouncer");
+    let pgbouncer =
+        tokio::task::spawn_blocking(|| PgBouncer::start(&idemkey_testkit::postgres_url(), 20))
+            .await
+            .expect("pgbouncer");
     let backend = Backend::postgres_through(&pgbouncer).await;
     let pgbouncer = Arc::new(Mutex::new(pgbouncer));
     let servers = [
