@@ -148,11 +148,19 @@ impl PgStore {
     /// migrator) and the statements closed, so the server connection goes back to the
     /// pooler as it came; if anything fails the connection is closed unfinished, and the
     /// server (or the pooler, which drops a server connection its client left inside a
-    /// transaction) rolls back and releases everything.
+    /// transaction) rolls back and releases everything. Concurrent runs on one database
+    /// wait for each other on a transaction's advisory lock, which only the `COMMIT`
+    /// releases: the migrator's own is released before it, while the next run could not
+    /// see yet what this one created.
     pub async fn migrate_with(&self, migrator: &Migrator) -> Result<(), MigrateError> {
         let mut conn = PgConnection::connect_with(&self.pool.connect_options()).await?;
         let migrated = async {
             let mut tx = conn.begin().await?;
+            sqlx::raw_sql(
+                "SELECT pg_advisory_xact_lock(hashtextextended('idemkey migrations', 0))",
+            )
+            .execute(&mut *tx)
+            .await?;
             // What `run` does once it has a connection; `run` itself, generic over
             // `Acquire`, makes a future the compiler cannot prove `Send` here.
             migrator.run_direct(None, &mut *tx, false).await?;
@@ -1629,6 +1637,31 @@ mod tests {
             matches!(listed, Ok(ref records) if records.is_empty()),
             "{listed:?}"
         );
+    }
+
+    /// Migrations run by several processes at once on a fresh database (as `serve`s started
+    /// together do), directly and through the pooler: each run waits for the one before it
+    /// to commit, so every one succeeds and the schema is made once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_migrations_wait_for_each_other() {
+        let (url, pooled) = pooled_database().await;
+        let pooled = format!("{pooled}?{}=transaction", PgStore::POOLER_PARAMETER);
+        let mut stores = Vec::new();
+        for url in [&url, &url, &pooled, &pooled] {
+            stores.push(PgStore::connect(url, 2).await.expect("connect"));
+        }
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(stores.len()));
+        let mut runs = tokio::task::JoinSet::new();
+        for store in stores {
+            let start = start.clone();
+            runs.spawn(async move {
+                start.wait().await;
+                store.migrate().await
+            });
+        }
+        while let Some(run) = runs.join_next().await {
+            run.expect("task").expect("every concurrent run succeeds");
+        }
     }
 
     /// A listener connected directly hears its probe; one through the pooler in transaction
