@@ -28,7 +28,7 @@ export CHAOS_SLOW_SOCKETS=${CHAOS_SLOW_SOCKETS:-300}
 LOG=${CHAOS_LOG:-$(mktemp -t idemkey-chaos.XXXXXX)}
 : >"$LOG"
 
-server_tests=(chaos_postgres chaos_sqlite chaos_gateway gateway_bad_input slow_clients)
+server_tests=(chaos_postgres chaos_pgbouncer chaos_sqlite chaos_gateway gateway_bad_input slow_clients)
 build_args=()
 for t in "${server_tests[@]}"; do build_args+=(--test "$t"); done
 echo "building the chaos tests…" >&2

@@ -272,16 +272,21 @@ fn is_connection_sqlstate(code: &str) -> bool {
 /// as associated constants of `$sql` (`ENQUEUE`, `CLAIM_DUE`, `MARK_SENT`, `MARK_FAILED`,
 /// `MESSAGES`, `MESSAGE`, `REQUEUE`, `REMOVE_DEAD`, `PURGE_SENT`, `STATS`, `APPEND_AUDIT`,
 /// `AUDIT`), each binding its parameters in the order the calls here give them.
-/// `$error` maps a `sqlx::Error` to a [`StoreError`](crate::StoreError).
+/// `$error` maps a `sqlx::Error` to a [`StoreError`](crate::StoreError). Two more arguments,
+/// `$query` and `$query_as`, replace `sqlx::query` and `sqlx::query_as` with functions of
+/// the store's that take the same calls (`bind`, `execute`, `fetch_*`).
 #[macro_export]
 macro_rules! impl_outbox_store {
     ($store:ty, $conn:ty, $sql:ty, $error:path) => {
+        $crate::impl_outbox_store!($store, $conn, $sql, $error, sqlx::query, sqlx::query_as);
+    };
+    ($store:ty, $conn:ty, $sql:ty, $error:path, $query:path, $query_as:path) => {
         impl $crate::outbox::OutboxStore for $store {
             async fn enqueue(
                 conn: &mut $conn,
                 message: &$crate::outbox::NewMessage,
             ) -> Result<(), $crate::StoreError> {
-                sqlx::query(<$sql>::ENQUEUE)
+                $query(<$sql>::ENQUEUE)
                     .bind(&message.id)
                     .bind(&message.group)
                     .bind(&message.kind)
@@ -301,7 +306,7 @@ macro_rules! impl_outbox_store {
                 until: $crate::Timestamp,
                 limit: u32,
             ) -> Result<Vec<$crate::outbox::Message>, $crate::StoreError> {
-                let rows: Vec<$crate::MessageRow> = sqlx::query_as(<$sql>::CLAIM_DUE)
+                let rows: Vec<$crate::MessageRow> = $query_as(<$sql>::CLAIM_DUE)
                     .bind(relay)
                     .bind(now.as_millis())
                     .bind(until.as_millis())
@@ -324,7 +329,7 @@ macro_rules! impl_outbox_store {
                 relay: &str,
                 now: $crate::Timestamp,
             ) -> Result<bool, $crate::StoreError> {
-                let done = sqlx::query(<$sql>::MARK_SENT)
+                let done = $query(<$sql>::MARK_SENT)
                     .bind(id)
                     .bind(relay)
                     .bind(now.as_millis())
@@ -342,7 +347,7 @@ macro_rules! impl_outbox_store {
                 next_attempt_at: Option<$crate::Timestamp>,
                 failure: &str,
             ) -> Result<bool, $crate::StoreError> {
-                let done = sqlx::query(<$sql>::MARK_FAILED)
+                let done = $query(<$sql>::MARK_FAILED)
                     .bind(id)
                     .bind(relay)
                     .bind(next_attempt_at.map($crate::Timestamp::as_millis))
@@ -358,7 +363,7 @@ macro_rules! impl_outbox_store {
                 conn: &mut $conn,
                 filter: &$crate::outbox::MessageFilter,
             ) -> Result<Vec<$crate::outbox::Message>, $crate::StoreError> {
-                let rows: Vec<$crate::MessageRow> = sqlx::query_as(<$sql>::MESSAGES)
+                let rows: Vec<$crate::MessageRow> = $query_as(<$sql>::MESSAGES)
                     .bind(filter.state.map(|s| s.as_str()))
                     .bind(filter.effective_limit())
                     .fetch_all(conn)
@@ -374,7 +379,7 @@ macro_rules! impl_outbox_store {
                 conn: &mut $conn,
                 id: &str,
             ) -> Result<Option<$crate::outbox::Message>, $crate::StoreError> {
-                let row: Option<$crate::MessageRow> = sqlx::query_as(<$sql>::MESSAGE)
+                let row: Option<$crate::MessageRow> = $query_as(<$sql>::MESSAGE)
                     .bind(id)
                     .fetch_optional(conn)
                     .await
@@ -388,7 +393,7 @@ macro_rules! impl_outbox_store {
                 id: &str,
                 now: $crate::Timestamp,
             ) -> Result<bool, $crate::StoreError> {
-                let done = sqlx::query(<$sql>::REQUEUE)
+                let done = $query(<$sql>::REQUEUE)
                     .bind(id)
                     .bind(now.as_millis())
                     .execute(conn)
@@ -402,7 +407,7 @@ macro_rules! impl_outbox_store {
                 conn: &mut $conn,
                 id: &str,
             ) -> Result<bool, $crate::StoreError> {
-                let done = sqlx::query(<$sql>::REMOVE_DEAD)
+                let done = $query(<$sql>::REMOVE_DEAD)
                     .bind(id)
                     .execute(conn)
                     .await
@@ -416,7 +421,7 @@ macro_rules! impl_outbox_store {
                 before: $crate::Timestamp,
                 batch: u32,
             ) -> Result<u64, $crate::StoreError> {
-                let done = sqlx::query(<$sql>::PURGE_SENT)
+                let done = $query(<$sql>::PURGE_SENT)
                     .bind(before.as_millis())
                     .bind(i64::from(batch))
                     .execute(conn)
@@ -429,11 +434,10 @@ macro_rules! impl_outbox_store {
                 &self,
                 conn: &mut $conn,
             ) -> Result<$crate::outbox::OutboxStats, $crate::StoreError> {
-                let (pending, dead, oldest): (i64, i64, Option<i64>) =
-                    sqlx::query_as(<$sql>::STATS)
-                        .fetch_one(conn)
-                        .await
-                        .map_err($error)?;
+                let (pending, dead, oldest): (i64, i64, Option<i64>) = $query_as(<$sql>::STATS)
+                    .fetch_one(conn)
+                    .await
+                    .map_err($error)?;
                 Ok($crate::outbox::OutboxStats {
                     pending: pending.max(0) as u64,
                     dead: dead.max(0) as u64,
@@ -446,7 +450,7 @@ macro_rules! impl_outbox_store {
                 conn: &mut $conn,
                 entry: &$crate::outbox::OutboxAuditEntry,
             ) -> Result<(), $crate::StoreError> {
-                sqlx::query(<$sql>::APPEND_AUDIT)
+                $query(<$sql>::APPEND_AUDIT)
                     .bind(&entry.message_id)
                     .bind(entry.at.as_millis())
                     .bind(&entry.actor)
@@ -463,7 +467,7 @@ macro_rules! impl_outbox_store {
                 conn: &mut $conn,
                 id: &str,
             ) -> Result<Vec<$crate::outbox::OutboxAuditEntry>, $crate::StoreError> {
-                let rows: Vec<$crate::OutboxAuditRow> = sqlx::query_as(<$sql>::AUDIT)
+                let rows: Vec<$crate::OutboxAuditRow> = $query_as(<$sql>::AUDIT)
                     .bind(id)
                     .fetch_all(conn)
                     .await

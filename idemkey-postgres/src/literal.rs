@@ -1,16 +1,29 @@
-//! SQL literals, for the statements the store sends together in one simple-query message
-//! (the extended protocol that carries bound parameters answers each statement before the
-//! next is sent, so it cannot put two in one round trip), and for the grouped completion,
-//! whose rows are planned with each statement.
+//! SQL literals: every statement the store sends goes as one simple-query message, its
+//! values written into the text.
+//!
+//! - The extended protocol that carries bound parameters answers each statement before the
+//!   next is sent, so it cannot put two in one round trip.
+//! - sqlx parses a bound statement and executes it in two exchanges, each ended by its own
+//!   `Sync`. Behind a pooler in transaction mode (PgBouncer's `pool_mode = transaction`), a
+//!   statement outside a transaction may be parsed on one server connection and executed on
+//!   another, where the name (or the unnamed statement) means another client's statement; a
+//!   named statement sqlx keeps for the next call is, after the transaction, on a server
+//!   connection this client no longer holds. One message is one exchange on one server
+//!   connection, in a transaction or not.
+//! - The grouped completion's rows are planned with each statement.
 //!
 //! Only values this crate builds go through here, and each is written so that nothing in it
 //! can end the literal: text as an escape string (`E'…'`, with `\` and `'` doubled, which
 //! reads the same whatever `standard_conforming_strings` says), bytes as hex digits in one
-//! (`E'\\x…'::bytea`), numbers as digits.
+//! (`E'\\x…'::bytea`), numbers as digits (a negative one in parentheses).
 
 use std::fmt::Write;
+use std::marker::PhantomData;
+use std::time::Duration;
 
 use idemkey_core::{RecordId, StoreError, StoredResponse, Timestamp};
+use sqlx::postgres::{PgQueryResult, PgRow};
+use sqlx::{AssertSqlSafe, Executor, FromRow, Postgres, Row};
 
 /// A statement being written, value by value.
 #[derive(Debug, Default)]
@@ -111,6 +124,296 @@ impl Sql {
     }
 }
 
+/// `SET LOCAL lock_timeout` to `wait`, and `; ` (nothing for `None`): sent first in a
+/// message outside a transaction, it holds for the rest of the message.
+pub(crate) fn lock_wait(wait: Option<Duration>) -> String {
+    wait.map_or_else(String::new, |wait| {
+        format!("SET LOCAL lock_timeout = '{}ms'; ", wait.as_millis().max(1))
+    })
+}
+
+/// A value written into a statement by [`Statement::bind`].
+pub(crate) trait Literal {
+    /// Appends the value to `sql`.
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError>;
+}
+
+impl Literal for str {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        sql.text(self).map(drop)
+    }
+}
+
+impl Literal for String {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        sql.text(self).map(drop)
+    }
+}
+
+impl Literal for [u8] {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        sql.bytes(self);
+        Ok(())
+    }
+}
+
+impl<const N: usize> Literal for [u8; N] {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        sql.bytes(self);
+        Ok(())
+    }
+}
+
+impl Literal for Vec<u8> {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        sql.bytes(self);
+        Ok(())
+    }
+}
+
+impl Literal for i64 {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        match *self {
+            // Not `-9223372036854775808`: that is the numeric 9223372036854775808 negated, and
+            // a comparison of a `bigint` column with a numeric cannot use the column's index.
+            i64::MIN => sql.push("(-9223372036854775807 - 1)"),
+            v if v < 0 => sql.push("(").int(v).push(")"),
+            v => sql.int(v),
+        };
+        Ok(())
+    }
+}
+
+impl Literal for i32 {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        i64::from(*self).write(sql)
+    }
+}
+
+impl<T: Literal + ?Sized> Literal for &T {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        (**self).write(sql)
+    }
+}
+
+impl<T: Literal> Literal for Option<T> {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        match self {
+            Some(value) => value.write(sql),
+            None => {
+                sql.push("NULL");
+                Ok(())
+            }
+        }
+    }
+}
+
+/// An array of values, `ARRAY[…]`; the statement casts it to its type (`$1::text[]`).
+pub(crate) struct Array<T>(pub(crate) Vec<T>);
+
+impl<T: Literal> Literal for Array<T> {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        sql.push("ARRAY[");
+        for (i, value) in self.0.iter().enumerate() {
+            if i > 0 {
+                sql.push(", ");
+            }
+            value.write(sql)?;
+        }
+        sql.push("]");
+        Ok(())
+    }
+}
+
+/// A statement of this crate's own with `$1`, `$2`, … where its values go, as sqlx's
+/// `query` takes it, sent as one simple-query message with the values written in
+/// ([`Literal`]). The rows come back in text format, which sqlx decodes as it does binary.
+pub(crate) struct Statement {
+    /// Statements sent before it in the same message (see [`Statement::lock_wait`]).
+    before: String,
+    sql: &'static str,
+    values: Vec<String>,
+    refused: Option<StoreError>,
+}
+
+/// A [`Statement`] whose rows are read as `T`.
+pub(crate) struct StatementAs<T> {
+    statement: Statement,
+    row: PhantomData<fn() -> T>,
+}
+
+/// A [`Statement`] whose rows' first columns are read as `T`.
+pub(crate) struct StatementScalar<T> {
+    statement: Statement,
+    value: PhantomData<fn() -> T>,
+}
+
+/// `sql` with its values to come ([`Statement::bind`]).
+pub(crate) fn query(sql: &'static str) -> Statement {
+    Statement {
+        before: String::new(),
+        sql,
+        values: Vec::new(),
+        refused: None,
+    }
+}
+
+/// `sql`, each row read as `T`.
+pub(crate) fn query_as<T>(sql: &'static str) -> StatementAs<T> {
+    StatementAs {
+        statement: query(sql),
+        row: PhantomData,
+    }
+}
+
+/// `sql`, each row's first column read as `T`.
+pub(crate) fn query_scalar<T>(sql: &'static str) -> StatementScalar<T> {
+    StatementScalar {
+        statement: query(sql),
+        value: PhantomData,
+    }
+}
+
+impl Statement {
+    /// The next value (`$1` first). A value PostgreSQL cannot take (a NUL in a text) fails
+    /// the statement before anything is sent.
+    pub(crate) fn bind(mut self, value: impl Literal) -> Self {
+        let mut sql = Sql::default();
+        match value.write(&mut sql) {
+            Ok(()) => self.values.push(sql.finish()),
+            Err(e) => {
+                self.refused.get_or_insert(e);
+                self.values.push(String::new());
+            }
+        }
+        self
+    }
+
+    /// Outside a transaction: makes the statement wait at most `wait` for a lock (then
+    /// fail with SQLSTATE 55P03). The message is one implicit transaction, so a
+    /// `SET LOCAL` sent first in it holds for the statement, and for nothing after it.
+    pub(crate) fn lock_wait(mut self, wait: Option<Duration>) -> Self {
+        self.before = lock_wait(wait);
+        self
+    }
+
+    /// The statement's text, each `$n` replaced by its value.
+    fn text(self) -> Result<String, sqlx::Error> {
+        if let Some(refused) = self.refused {
+            return Err(sqlx::Error::Encode(Box::new(refused)));
+        }
+        let mut text = self.before;
+        text.reserve(self.sql.len() + self.values.iter().map(String::len).sum::<usize>());
+        let mut rest = self.sql;
+        while let Some(at) = rest.find('$') {
+            text.push_str(&rest[..at]);
+            let digits = rest[at + 1..]
+                .find(|c: char| !c.is_ascii_digit())
+                .map_or(rest.len() - at - 1, |end| end);
+            let n: usize = rest[at + 1..at + 1 + digits].parse().map_err(|_| {
+                sqlx::Error::Protocol(format!("a `$` without a number in: {}", self.sql))
+            })?;
+            let value = n.checked_sub(1).and_then(|i| self.values.get(i));
+            let value = value.ok_or_else(|| {
+                sqlx::Error::Protocol(format!("no value for ${n} in: {}", self.sql))
+            })?;
+            text.push_str(value);
+            rest = &rest[at + 1 + digits..];
+        }
+        text.push_str(rest);
+        Ok(text)
+    }
+
+    pub(crate) async fn execute<'c>(
+        self,
+        conn: impl Executor<'c, Database = Postgres>,
+    ) -> Result<PgQueryResult, sqlx::Error> {
+        sqlx::raw_sql(AssertSqlSafe(self.text()?))
+            .execute(conn)
+            .await
+    }
+
+    pub(crate) async fn fetch_all<'c>(
+        self,
+        conn: impl Executor<'c, Database = Postgres>,
+    ) -> Result<Vec<PgRow>, sqlx::Error> {
+        sqlx::raw_sql(AssertSqlSafe(self.text()?))
+            .fetch_all(conn)
+            .await
+    }
+
+    pub(crate) async fn fetch_optional<'c>(
+        self,
+        conn: impl Executor<'c, Database = Postgres>,
+    ) -> Result<Option<PgRow>, sqlx::Error> {
+        sqlx::raw_sql(AssertSqlSafe(self.text()?))
+            .fetch_optional(conn)
+            .await
+    }
+
+    pub(crate) async fn fetch_one<'c>(
+        self,
+        conn: impl Executor<'c, Database = Postgres>,
+    ) -> Result<PgRow, sqlx::Error> {
+        sqlx::raw_sql(AssertSqlSafe(self.text()?))
+            .fetch_one(conn)
+            .await
+    }
+}
+
+impl<T: for<'r> FromRow<'r, PgRow>> StatementAs<T> {
+    pub(crate) fn bind(mut self, value: impl Literal) -> Self {
+        self.statement = self.statement.bind(value);
+        self
+    }
+
+    pub(crate) fn lock_wait(mut self, wait: Option<Duration>) -> Self {
+        self.statement = self.statement.lock_wait(wait);
+        self
+    }
+
+    pub(crate) async fn fetch_all<'c>(
+        self,
+        conn: impl Executor<'c, Database = Postgres>,
+    ) -> Result<Vec<T>, sqlx::Error> {
+        let rows = self.statement.fetch_all(conn).await?;
+        rows.iter().map(T::from_row).collect()
+    }
+
+    pub(crate) async fn fetch_optional<'c>(
+        self,
+        conn: impl Executor<'c, Database = Postgres>,
+    ) -> Result<Option<T>, sqlx::Error> {
+        let row = self.statement.fetch_optional(conn).await?;
+        row.as_ref().map(T::from_row).transpose()
+    }
+
+    pub(crate) async fn fetch_one<'c>(
+        self,
+        conn: impl Executor<'c, Database = Postgres>,
+    ) -> Result<T, sqlx::Error> {
+        T::from_row(&self.statement.fetch_one(conn).await?)
+    }
+}
+
+impl<T> StatementScalar<T>
+where
+    T: for<'r> sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    pub(crate) fn bind(mut self, value: impl Literal) -> Self {
+        self.statement = self.statement.bind(value);
+        self
+    }
+
+    pub(crate) async fn fetch_optional<'c>(
+        self,
+        conn: impl Executor<'c, Database = Postgres>,
+    ) -> Result<Option<T>, sqlx::Error> {
+        let row = self.statement.fetch_optional(conn).await?;
+        row.map(|row| row.try_get(0)).transpose()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,5 +446,35 @@ mod tests {
         sql.bytes(&[0, 0x27, 0x5c, 0xff]).push(", ").opt_bytes(None);
         sql.push(", ").opt_int(Some(-5)).push(", ").opt_int(None);
         assert_eq!(sql.finish(), r"E'\\x00275cff'::bytea, NULL, -5, NULL");
+    }
+
+    #[test]
+    fn statement_values_replace_their_placeholders() {
+        let text = query("SELECT $1, $10, $2 WHERE x = $1 AND y >= $3 AND z = $4")
+            .bind("it's")
+            .bind(None::<i64>)
+            .bind(i64::MIN)
+            .bind(Array(vec![Some(-5i64), None]))
+            .bind(5i64)
+            .bind(6i64)
+            .bind(7i64)
+            .bind(8i64)
+            .bind(9i64)
+            .bind(&b"\x01"[..])
+            .text()
+            .expect("text");
+        assert_eq!(
+            text,
+            concat!(
+                r"SELECT E'it''s', E'\\x01'::bytea, NULL WHERE x = E'it''s' ",
+                "AND y >= (-9223372036854775807 - 1) AND z = ARRAY[(-5), NULL]"
+            )
+        );
+    }
+
+    #[test]
+    fn a_statement_with_a_value_postgres_refuses_is_not_sent() {
+        assert!(query("SELECT $1").bind("a\0b").text().is_err());
+        assert!(query("SELECT $2").bind(1i64).text().is_err());
     }
 }

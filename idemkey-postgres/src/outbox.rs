@@ -5,6 +5,7 @@
 //! ([`idemkey_core::impl_outbox_store`]).
 
 use crate::PgStore;
+use crate::literal;
 use crate::store::error;
 
 /// The outbox statements, in the dialect of PostgreSQL.
@@ -62,4 +63,13 @@ impl Sql {
         WHERE message_id = $1 ORDER BY seq";
 }
 
-idemkey_core::impl_outbox_store!(PgStore, sqlx::postgres::PgConnection, Sql, error);
+// Each statement goes as one simple-query message with its values written in
+// (`crate::literal`), as the store's own do.
+idemkey_core::impl_outbox_store!(
+    PgStore,
+    sqlx::postgres::PgConnection,
+    Sql,
+    error,
+    literal::query,
+    literal::query_as
+);

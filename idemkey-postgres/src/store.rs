@@ -5,15 +5,15 @@ use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
     AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
     ListFilter, Members, NewRecord, Purged, Record, RecordId, RecordRow, Store, StoreError,
-    StoredResponse, Timestamp, bind_completion, classify_error, is_connection_lost,
+    StoredResponse, Timestamp, classify_error, is_connection_lost,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
-use sqlx::{AssertSqlSafe, FromRow, Postgres, Row};
+use sqlx::{AssertSqlSafe, Connection, FromRow, Postgres, Row};
 
 use crate::kept::Kept;
-use crate::literal::Sql;
+use crate::literal::{self, Array, Sql};
 use crate::transaction::{PgTransaction, abandon};
 
 /// An idempotency store in a PostgreSQL database.
@@ -26,6 +26,11 @@ pub struct PgStore {
     /// Connections the store's own `COMMIT`s ended, kept for its next transactions without
     /// the pool's test on release (`crate::kept`).
     kept: Kept,
+    /// How long the store's transactions wait for a lock, set in each of them (`None`: the
+    /// connections' own setting): through a pooler in transaction mode.
+    lock_wait: Option<Duration>,
+    /// The URL names a pooler in transaction mode ([`PgStore::POOLER_PARAMETER`]).
+    pooled: bool,
 }
 
 impl PgStore {
@@ -47,6 +52,8 @@ impl PgStore {
             // Two groups of each kind at a time, each on a pooled connection: the side-by-side
             // harness, bound by waiting rather than CPU, ran 11 % faster than with one.
             grouped: GroupedWrites::new(2),
+            lock_wait: None,
+            pooled: false,
         }
     }
 
@@ -55,19 +62,35 @@ impl PgStore {
     /// same key, then answers "in flight". Pools made elsewhere keep their own setting.
     pub const DEFAULT_LOCK_WAIT: Duration = Duration::from_secs(5);
 
-    /// Connects to `url` (`postgres://…`) with a pool of `max_connections`, each connection
-    /// with `lock_timeout` set to [`DEFAULT_LOCK_WAIT`](Self::DEFAULT_LOCK_WAIT).
+    /// Connects to `url` (`postgres://…`) with a pool of `max_connections`; the store's
+    /// transactions and grouped writes wait [`DEFAULT_LOCK_WAIT`](Self::DEFAULT_LOCK_WAIT) for
+    /// a lock.
+    ///
+    /// The store sends no statement that outlives its transaction, so `url` may name a
+    /// pooler in transaction mode (PgBouncer's `pool_mode = transaction`) as well as the
+    /// server: see docs/operations.md, "Behind a pooler". Directly, the wait is each
+    /// connection's `lock_timeout`, set when it connects; through such a pooler, which
+    /// refuses that startup setting, it is set in each transaction (`SET LOCAL`).
     ///
     /// The pool hands out connections without pinging them first (a round trip per request
     /// saved). A connection the server has dropped meanwhile shows at its first statement:
     /// [`begin`](Store::begin) then starts the transaction again on another connection (a
     /// `BEGIN` has no effect of its own); any other first statement fails as
     /// [`StoreError::Unavailable`].
+    ///
+    /// A URL through a pooler in transaction mode says so with
+    /// [`POOLER_PARAMETER`](Self::POOLER_PARAMETER) (`?idemkey-pooler=transaction`): the
+    /// store then follows no eviction notices (`LISTEN` needs a session of its own), and an
+    /// in-process cache of answers trusts each entry for a bounded time only.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
-        let options = PgConnectOptions::from_str(url).map_err(error)?.options([(
-            "lock_timeout",
-            format!("{}ms", Self::DEFAULT_LOCK_WAIT.as_millis()),
-        )]);
+        let (url, pooled) = pooler_parameter(url)?;
+        let mut options = PgConnectOptions::from_str(&url).map_err(error)?;
+        // Set once per connection where a connection is a session: one statement less in
+        // every transaction's first message (a measured cost on the database's CPU).
+        let wait = format!("{}ms", Self::DEFAULT_LOCK_WAIT.as_millis());
+        if !pooled {
+            options = options.options([("lock_timeout", wait)]);
+        }
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(5))
@@ -75,12 +98,32 @@ impl PgStore {
             .connect_with(options)
             .await
             .map_err(error)?;
-        Ok(Self::new(pool))
+        Ok(Self {
+            lock_wait: pooled.then_some(Self::DEFAULT_LOCK_WAIT),
+            pooled,
+            ..Self::new(pool)
+        })
     }
+
+    /// The parameter of a [`connect`](Self::connect) URL that says it names a pooler in
+    /// transaction mode (PgBouncer's `pool_mode = transaction`); its one value is
+    /// `transaction`. It is idemkey's, not sent to the pooler.
+    pub const POOLER_PARAMETER: &'static str = "idemkey-pooler";
 
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// Whether the store was connected through a pooler in transaction mode
+    /// ([`POOLER_PARAMETER`](Self::POOLER_PARAMETER)). The application's own statements
+    /// with parameters must then not be kept prepared (sqlx's
+    /// [`persistent(false)`](sqlx::query::Query::persistent)) and must run inside a
+    /// transaction: sqlx parses and executes such a statement in two exchanges, which only
+    /// a transaction keeps on one server connection. See docs/operations.md, "Behind a
+    /// pooler".
+    pub fn through_pooler(&self) -> bool {
+        self.pooled
     }
 
     /// This store's migrations, tracked in [`MIGRATIONS_TABLE`](Self::MIGRATIONS_TABLE) so
@@ -93,8 +136,81 @@ impl PgStore {
 
     /// Runs the pending migrations.
     pub async fn migrate(&self) -> Result<(), MigrateError> {
-        Self::migrator().run(&self.pool).await
+        self.migrate_with(&Self::migrator()).await
     }
+
+    /// Runs the pending migrations of `migrator` (this crate's or the application's own),
+    /// all in one transaction on a connection of their own.
+    ///
+    /// sqlx's migrator takes a session's advisory lock and keeps its statements prepared
+    /// on the connection; in one transaction both stay on one server connection behind a
+    /// pooler in transaction mode. Before the `COMMIT` the lock is released (by the
+    /// migrator) and the statements closed, so the server connection goes back to the
+    /// pooler as it came; if anything fails the connection is closed unfinished, and the
+    /// server (or the pooler, which drops a server connection its client left inside a
+    /// transaction) rolls back and releases everything. Concurrent runs on one database
+    /// wait for each other on a transaction's advisory lock, which only the `COMMIT`
+    /// releases: the migrator's own is released before it, while the next run could not
+    /// see yet what this one created.
+    pub async fn migrate_with(&self, migrator: &Migrator) -> Result<(), MigrateError> {
+        let mut conn = PgConnection::connect_with(&self.pool.connect_options()).await?;
+        let migrated = async {
+            let mut tx = conn.begin().await?;
+            sqlx::raw_sql(
+                "SELECT pg_advisory_xact_lock(hashtextextended('idemkey migrations', 0))",
+            )
+            .execute(&mut *tx)
+            .await?;
+            // What `run` does once it has a connection; `run` itself, generic over
+            // `Acquire`, makes a future the compiler cannot prove `Send` here.
+            migrator.run_direct(None, &mut *tx, false).await?;
+            tx.clear_cached_statements().await?;
+            tx.commit().await?;
+            Ok::<_, MigrateError>(())
+        }
+        .await;
+        match migrated {
+            Ok(()) => {
+                // Closing only says goodbye: everything is committed.
+                let _ = conn.close().await;
+                Ok(())
+            }
+            Err(e) => {
+                drop(conn);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// `url` without [`PgStore::POOLER_PARAMETER`], and whether it said `transaction`. Any
+/// other value is refused.
+fn pooler_parameter(url: &str) -> Result<(String, bool), StoreError> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_owned(), false));
+    };
+    let mut pooled = false;
+    let mut kept = Vec::new();
+    for pair in query.split('&') {
+        match pair.split_once('=') {
+            Some((PgStore::POOLER_PARAMETER, "transaction")) => pooled = true,
+            Some((PgStore::POOLER_PARAMETER, value)) => {
+                return Err(error(sqlx::Error::Configuration(
+                    format!(
+                        "{}={value} is not a pooler mode idemkey knows: the one it takes is \
+                         `transaction` (a pooler in session mode needs no parameter)",
+                        PgStore::POOLER_PARAMETER
+                    )
+                    .into(),
+                )));
+            }
+            _ => kept.push(pair),
+        }
+    }
+    Ok(match kept.is_empty() {
+        true => (base.to_owned(), pooled),
+        false => (format!("{base}?{}", kept.join("&")), pooled),
+    })
 }
 
 /// The `LISTEN` channel of eviction notices; the payload is the hex of the evicted
@@ -104,30 +220,61 @@ pub const EVICTION_CHANNEL: &str = "idemkey_evict";
 /// The longest pause between two attempts to (re)connect the eviction listener.
 const MAX_LISTEN_BACKOFF: Duration = Duration::from_secs(5);
 
+/// How long a new listener waits for its own probe notice before it concludes that
+/// notices do not reach it.
+const PROBE_WAIT: Duration = Duration::from_secs(2);
+
+/// The pause before a listener that missed its probe tries again.
+const PROBE_RETRY: Duration = Duration::from_secs(60);
+
 /// The eviction listener's state: its own one-connection pool (the listener holds its
-/// connection for good, so it never takes one of the application's), the listener once
-/// connected, and how many connects failed in a row.
+/// connection for good, so it never takes one of the application's), the store's pool (for
+/// the probe), the listener once connected, how many connects failed in a row, and whether
+/// the last listener missed its probe.
 struct Follow {
     pool: PgPool,
+    probe: PgPool,
     listener: Option<PgListener>,
     failures: u32,
+    missed_probe: bool,
+}
+
+/// Why a listener was not started.
+enum NotListening {
+    Failed,
+    /// `LISTEN` went through but the probe notice never came: the connection does not keep
+    /// its session between statements (a pooler in transaction mode).
+    MissedProbe,
+}
+
+impl From<sqlx::Error> for NotListening {
+    fn from(_: sqlx::Error) -> Self {
+        Self::Failed
+    }
 }
 
 impl Follow {
     async fn next(mut self) -> (EvictionNotice, Self) {
         loop {
             let Some(listener) = self.listener.as_mut() else {
-                if self.failures > 0 {
+                if self.missed_probe {
+                    tokio::time::sleep(PROBE_RETRY).await;
+                } else if self.failures > 0 {
                     let pause = Duration::from_millis(100) * 2u32.pow(self.failures.min(6));
                     tokio::time::sleep(pause.min(MAX_LISTEN_BACKOFF)).await;
                 }
-                match listen(&self.pool).await {
+                match listen(&self.pool, &self.probe).await {
                     Ok(listener) => {
                         self.listener = Some(listener);
                         self.failures = 0;
+                        self.missed_probe = false;
                         return (EvictionNotice::Listening, self);
                     }
-                    Err(_) => {
+                    Err(NotListening::MissedProbe) => {
+                        self.missed_probe = true;
+                        continue;
+                    }
+                    Err(NotListening::Failed) => {
                         self.failures += 1;
                         continue;
                     }
@@ -152,12 +299,58 @@ impl Follow {
     }
 }
 
-async fn listen(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
+/// A listener on [`EVICTION_CHANNEL`] that has received its own probe: a notice sent on
+/// `probe` (another connection) after the `LISTEN`. Behind a pooler in transaction mode the
+/// `LISTEN` holds on a server connection the listener no longer has once the statement is
+/// done, so the probe never comes; the listener is then refused rather than reported
+/// listening, and the cache keeps bounding its entries as without notices.
+async fn listen(pool: &PgPool, probe: &PgPool) -> Result<PgListener, NotListening> {
+    static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let mut listener = PgListener::connect_with(pool).await?;
     // A lost connection is reported at once; the next round connects afresh.
     listener.eager_reconnect(false);
     listener.listen(EVICTION_CHANNEL).await?;
-    Ok(listener)
+    // Not hex: every other listener ignores it.
+    let payload = format!(
+        "probe {} {}",
+        std::process::id(),
+        PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    // From here on a failure may mean that the `LISTEN` went to a pooler's server
+    // connection (its notices then reach whichever client holds it, the probe's sender
+    // among them): retried only after a long pause.
+    let sent = literal::query("SELECT pg_notify($1, $2)")
+        .bind(EVICTION_CHANNEL)
+        .bind(&payload)
+        .execute(probe)
+        .await;
+    if sent.is_err() {
+        return Err(NotListening::MissedProbe);
+    }
+    let probed = tokio::time::timeout(PROBE_WAIT, async {
+        // Evictions announced before the probe are not passed on: the cache trusts
+        // nothing it cached before it hears `Listening`.
+        while let Some(notice) = listener.try_recv().await? {
+            if notice.payload() == payload {
+                return Ok(true);
+            }
+        }
+        Ok::<_, sqlx::Error>(false)
+    })
+    .await;
+
+    match probed {
+        Ok(Ok(true)) => Ok(listener),
+        // The connection was lost: connect again soon.
+        Ok(Ok(false) | Err(_)) => Err(NotListening::Failed),
+        Err(_) => {
+            tracing::warn!(
+                "eviction notices do not reach this connection (a pooler in transaction \
+                 mode?): cached answers are trusted for a bounded time only"
+            );
+            Err(NotListening::MissedProbe)
+        }
+    }
 }
 
 /// SQLSTATE 55P03 lock_not_available (lock_timeout), 40P01 deadlock_detected,
@@ -248,6 +441,16 @@ impl PgStore {
     }
 }
 
+/// Appends to a message that begins a transaction the statement that makes the
+/// transaction's statements wait at most `wait` for a lock (then fail with SQLSTATE 55P03,
+/// read as "busy"). Transaction-local, so it holds behind a pooler in transaction mode; a
+/// `SET`, not a `SELECT set_config(…)`, so the server plans nothing and sends no row.
+fn set_lock_wait(sql: &mut Sql, wait: Duration) {
+    sql.push("; SET LOCAL lock_timeout = '")
+        .int(wait.as_millis().max(1).try_into().unwrap_or(i64::MAX))
+        .push("ms'");
+}
+
 /// The grouped completion's `UPDATE`, its rows as literals (see
 /// [`GroupWriter::complete_group`]).
 fn completion_rows(rows: &[&Completion]) -> Result<String, StoreError> {
@@ -273,8 +476,8 @@ fn completion_rows(rows: &[&Completion]) -> Result<String, StoreError> {
 }
 
 /// One column of a grouped statement: `f` of every row, in the rows' order.
-fn column<'a, T, U>(rows: &[&'a T], f: impl Fn(&'a T) -> U) -> Vec<U> {
-    rows.iter().map(|&row| f(row)).collect()
+fn column<'a, T, U>(rows: &[&'a T], f: impl Fn(&'a T) -> U) -> Array<U> {
+    Array(rows.iter().map(|&row| f(row)).collect())
 }
 
 impl GroupWriter for PgStore {
@@ -286,7 +489,7 @@ impl GroupWriter for PgStore {
     /// flight).
     async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
         let (rows, in_group) = group::plan(&records, |r| &r.id);
-        let inserted = sqlx::query_as::<_, (String, Vec<u8>, String)>(
+        let inserted = literal::query_as::<(String, Vec<u8>, String)>(
             "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
                     fingerprint_parts, state, token, lease_expires_at, created_at, updated_at,
                     expires_at, sealed_key, fingerprint_members, first_sent)
@@ -302,6 +505,7 @@ impl GroupWriter for PgStore {
              ON CONFLICT (tenant, key_hash, route) DO NOTHING
              RETURNING tenant, key_hash, route",
         )
+        .lock_wait(self.lock_wait)
         .bind(column(&rows, |r| r.id.tenant.as_str()))
         .bind(column(&rows, |r| &r.id.key_hash[..]))
         .bind(column(&rows, |r| r.id.route.as_str()))
@@ -352,6 +556,7 @@ impl GroupWriter for PgStore {
             // A value PostgreSQL cannot take (a NUL in a text): each alone says whose.
             return group::answer_each(&group, &in_group, |_| None, alone).await;
         };
+        let sql = literal::lock_wait(self.lock_wait) + &sql;
         let completed = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(&self.pool)
             .await
@@ -377,7 +582,12 @@ impl Store for PgStore {
     type PooledConnection = PoolConnection<Postgres>;
 
     async fn begin(&self) -> Result<Self::Transaction, StoreError> {
-        match self.begin_on_pool(None).await {
+        let statement = self.lock_wait.map(|wait| {
+            let mut begin = Sql::new("BEGIN");
+            set_lock_wait(&mut begin, wait);
+            begin.finish()
+        });
+        match self.begin_on_pool(statement).await {
             Ok(tx) => Ok(tx),
             Err((e, conn)) => {
                 if let Some(conn) = conn {
@@ -405,11 +615,10 @@ impl Store for PgStore {
         record: &NewRecord,
         lock_wait: Option<Duration>,
     ) -> Result<Begun<PgTransaction>, StoreError> {
+        let lock_wait = lock_wait.or(self.lock_wait);
         let lock_timeout = |sql: &mut Sql| {
             if let Some(wait) = lock_wait {
-                sql.push("; SELECT set_config('lock_timeout', '")
-                    .int(wait.as_millis().max(1).try_into().unwrap_or(i64::MAX))
-                    .push("ms', true)");
+                set_lock_wait(sql, wait);
             }
         };
         let mut claim = Sql::new("BEGIN");
@@ -508,7 +717,7 @@ impl Store for PgStore {
     ) -> Result<(), StoreError> {
         // Transaction-local: the next statements of this transaction (the claim among them)
         // give up waiting for a lock after `wait` with SQLSTATE 55P03, read as "busy".
-        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+        literal::query("SELECT set_config('lock_timeout', $1, true)")
             .bind(format!("{}ms", wait.as_millis().max(1)))
             .execute(conn)
             .await
@@ -551,7 +760,7 @@ impl Store for PgStore {
         // waited on it (an owner finishing); then no record comes back and the caller reads
         // it with a statement of its own. `NOT EXISTS` keeps a row deleted after the
         // snapshot from being returned beside a successful insert.
-        let row = sqlx::query(
+        let row = literal::query(
             "WITH ins AS (
                  INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
                         fingerprint_parts, state, token, lease_expires_at, created_at,
@@ -600,7 +809,7 @@ impl Store for PgStore {
         conn: &mut PgConnection,
         id: &RecordId,
     ) -> Result<Option<Record>, StoreError> {
-        sqlx::query_as::<_, RecordRow>(
+        literal::query_as::<RecordRow>(
             "SELECT * FROM idemkey_records WHERE tenant = $1 AND key_hash = $2 AND route = $3",
         )
         .bind(&id.tenant)
@@ -619,7 +828,7 @@ impl Store for PgStore {
         r: &NewRecord,
         token: i64,
     ) -> Result<Option<i64>, StoreError> {
-        sqlx::query_scalar(
+        literal::query_scalar(
             "UPDATE idemkey_records
                 SET fingerprint = $4, fingerprint_parts = $5, state = $6, token = token + 1,
                     lease_expires_at = $7, response_status = NULL, response_headers = NULL,
@@ -654,14 +863,22 @@ impl Store for PgStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let update = sqlx::query(
+        let update = literal::query(
             "UPDATE idemkey_records
                 SET state = 'completed', token = token + 1, lease_expires_at = NULL,
                     response_status = $5, response_headers = $6, response_body = $7,
                     updated_at = $8
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
         );
-        let done = bind_completion(update, id, token, response, now)
+        let done = update
+            .bind(&id.tenant)
+            .bind(&id.key_hash[..])
+            .bind(&id.route)
+            .bind(token)
+            .bind(i32::from(response.status))
+            .bind(response.encode_headers())
+            .bind(&response.body[..])
+            .bind(now.as_millis())
             .execute(conn)
             .await
             .map_err(error)?;
@@ -676,7 +893,7 @@ impl Store for PgStore {
         lease_until: Timestamp,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
+        let done = literal::query(
             "UPDATE idemkey_records SET lease_expires_at = $5, updated_at = $6
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
         )
@@ -700,7 +917,7 @@ impl Store for PgStore {
         lease_until: Timestamp,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
+        let done = literal::query(
             "UPDATE idemkey_records
                 SET state = 'executing', lease_expires_at = $5, updated_at = $6
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
@@ -724,7 +941,7 @@ impl Store for PgStore {
         token: i64,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
+        let done = literal::query(
             "UPDATE idemkey_records
                 SET state = 'indeterminate', lease_expires_at = NULL, updated_at = $5
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
@@ -746,7 +963,7 @@ impl Store for PgStore {
         id: &RecordId,
         token: i64,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(
+        let done = literal::query(
             "DELETE FROM idemkey_records
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
         )
@@ -765,7 +982,7 @@ impl Store for PgStore {
         conn: &mut PgConnection,
         filter: &ListFilter,
     ) -> Result<Vec<Record>, StoreError> {
-        let rows = sqlx::query_as::<_, RecordRow>(
+        let rows = literal::query_as::<RecordRow>(
             "SELECT * FROM idemkey_records
               WHERE ($1::TEXT IS NULL OR tenant = $1)
                 AND ($2::TEXT IS NULL OR state = $2)
@@ -789,7 +1006,7 @@ impl Store for PgStore {
         tenant: &str,
         key_hash: &[u8; 32],
     ) -> Result<Vec<Record>, StoreError> {
-        let rows = sqlx::query_as::<_, RecordRow>(
+        let rows = literal::query_as::<RecordRow>(
             "SELECT * FROM idemkey_records WHERE tenant = $1 AND key_hash = $2
               ORDER BY created_at",
         )
@@ -802,7 +1019,7 @@ impl Store for PgStore {
     }
 
     async fn evict(&self, conn: &mut PgConnection, id: &RecordId) -> Result<bool, StoreError> {
-        let done = sqlx::query(
+        let done = literal::query(
             "DELETE FROM idemkey_records WHERE tenant = $1 AND key_hash = $2 AND route = $3",
         )
         .bind(&id.tenant)
@@ -827,7 +1044,7 @@ impl Store for PgStore {
         // rows that live traffic holds (a takeover in progress) are left for the next round
         // instead of blocking it. The rows are deleted by `ctid`, not looked up again by
         // primary key: this statement holds their locks, so no other can move them first.
-        let (deleted, through): (i64, Option<i64>) = sqlx::query_as(
+        let (deleted, through): (i64, Option<i64>) = literal::query_as(
             "WITH gone AS (
                  DELETE FROM idemkey_records
                   WHERE ctid = ANY (ARRAY(
@@ -858,7 +1075,7 @@ impl Store for PgStore {
         conn: &mut PgConnection,
         entry: &AuditEntry,
     ) -> Result<(), StoreError> {
-        sqlx::query(
+        literal::query(
             "INSERT INTO idemkey_audit (tenant, key_hash, route, at, actor, action, detail)
              VALUES ($1, $2, $3, $4, $5, $6, $7)",
         )
@@ -880,7 +1097,7 @@ impl Store for PgStore {
         conn: &mut PgConnection,
         id: &RecordId,
     ) -> Result<Vec<AuditEntry>, StoreError> {
-        let rows = sqlx::query_as::<_, AuditRow>(
+        let rows = literal::query_as::<AuditRow>(
             "SELECT tenant, key_hash, route, at, actor, action, detail FROM idemkey_audit
               WHERE tenant = $1 AND key_hash = $2 AND route = $3
               ORDER BY id",
@@ -900,7 +1117,7 @@ impl Store for PgStore {
         id: &RecordId,
     ) -> Result<(), StoreError> {
         // Inside a transaction, PostgreSQL delivers the notice when it commits.
-        sqlx::query("SELECT pg_notify($1, $2)")
+        literal::query("SELECT pg_notify($1, $2)")
             .bind(EVICTION_CHANNEL)
             .bind(hex::encode(id.digest()))
             .execute(conn)
@@ -909,15 +1126,24 @@ impl Store for PgStore {
         Ok(())
     }
 
+    /// `None` through a pooler in transaction mode ([`PgStore::POOLER_PARAMETER`]): a
+    /// `LISTEN` there would hold on a server connection other clients get next. A listener
+    /// that does not hear its own probe notice (the parameter forgotten) never reports
+    /// [`EvictionNotice::Listening`] either.
     fn eviction_notices(&self) -> Option<EvictionNotices> {
+        if self.pooled {
+            return None;
+        }
         let options = self.pool.connect_options().as_ref().clone();
         let follow = Follow {
             pool: PgPoolOptions::new()
                 .max_connections(1)
                 .min_connections(0)
                 .connect_lazy_with(options),
+            probe: self.pool.clone(),
             listener: None,
             failures: 0,
+            missed_probe: false,
         };
         Some(Box::pin(futures::stream::unfold(follow, |follow| async {
             Some(follow.next().await)
@@ -1349,5 +1575,124 @@ mod tests {
         .await
         .expect("reserve");
         assert!(matches!(again, ClaimOutcome::Owned { .. }), "{again:?}");
+    }
+
+    #[test]
+    fn the_pooler_parameter_is_read_and_removed() {
+        let read = |url: &str| pooler_parameter(url).map_err(|e| e.to_string());
+        assert_eq!(
+            read("postgres://a@h:6432/db?idemkey-pooler=transaction"),
+            Ok(("postgres://a@h:6432/db".to_owned(), true))
+        );
+        assert_eq!(
+            read("postgres://a@h/db?sslmode=disable&idemkey-pooler=transaction&application_name=x"),
+            Ok((
+                "postgres://a@h/db?sslmode=disable&application_name=x".to_owned(),
+                true
+            ))
+        );
+        assert_eq!(
+            read("postgres://a@h/db?sslmode=disable"),
+            Ok(("postgres://a@h/db?sslmode=disable".to_owned(), false))
+        );
+        assert!(read("postgres://a@h/db?idemkey-pooler=statement").is_err());
+    }
+
+    /// A fresh database: its direct URL, and its URL through PgBouncer in transaction mode
+    /// (without idemkey's parameter).
+    async fn pooled_database() -> (String, String) {
+        let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
+            .await
+            .expect("fresh database");
+        let direct = url.clone();
+        let pooled = tokio::task::spawn_blocking(move || idemkey_testkit::pgbouncer_url(&direct))
+            .await
+            .expect("pgbouncer");
+        (url, pooled)
+    }
+
+    /// A store through PgBouncer in transaction mode, on a fresh database, and the
+    /// database's direct URL.
+    async fn pooled_store() -> (PgStore, String) {
+        let (url, pooled) = pooled_database().await;
+        let pooled = format!("{pooled}?{}=transaction", PgStore::POOLER_PARAMETER);
+        let store = PgStore::connect(&pooled, 4).await.expect("connect");
+        assert!(store.through_pooler());
+        (store, url)
+    }
+
+    /// Through PgBouncer without the parameter, `connect` is refused at once: the pooler
+    /// refuses the `lock_timeout` the store then sets at connect.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connect_through_pgbouncer_without_the_parameter_is_refused() {
+        let (_, pooled) = pooled_database().await;
+        let refused = PgStore::connect(&pooled, 4).await;
+        assert!(refused.is_err(), "connected through the pooler unmarked");
+    }
+
+    /// Through the pooler, migrations run, and run again (each run on a server connection
+    /// an earlier one may have used): nothing of a run is left on its server connection,
+    /// neither the migrator's prepared statements nor its advisory lock.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn migrations_run_again_and_again_through_pgbouncer() {
+        let (store, _) = pooled_store().await;
+        for _ in 0..3 {
+            store.migrate().await.expect("migrate through the pooler");
+        }
+        let mut conn = store.acquire().await.expect("connection");
+        let listed = store.list(&mut conn, &ListFilter::default()).await;
+        assert!(
+            matches!(listed, Ok(ref records) if records.is_empty()),
+            "{listed:?}"
+        );
+    }
+
+    /// Migrations run by several processes at once on a fresh database (as `serve`s started
+    /// together do), directly and through the pooler: each run waits for the one before it
+    /// to commit, so every one succeeds and the schema is made once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_migrations_wait_for_each_other() {
+        let (url, pooled) = pooled_database().await;
+        let pooled = format!("{pooled}?{}=transaction", PgStore::POOLER_PARAMETER);
+        let mut stores = Vec::new();
+        for url in [&url, &url, &pooled, &pooled] {
+            stores.push(PgStore::connect(url, 2).await.expect("connect"));
+        }
+        let start = std::sync::Arc::new(tokio::sync::Barrier::new(stores.len()));
+        let mut runs = tokio::task::JoinSet::new();
+        for store in stores {
+            let start = start.clone();
+            runs.spawn(async move {
+                start.wait().await;
+                store.migrate().await
+            });
+        }
+        while let Some(run) = runs.join_next().await {
+            run.expect("task").expect("every concurrent run succeeds");
+        }
+    }
+
+    /// A listener connected directly hears its probe; one through the pooler in transaction
+    /// mode never can, and says so rather than claiming to listen.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_listener_through_pgbouncer_is_refused_by_its_probe() {
+        // An application's pool through the pooler, given to the store unmarked.
+        let (url, pooled) = pooled_database().await;
+        let pooled = PgStore::new(PgPool::connect(&pooled).await.expect("connect"));
+        let direct = PgStore::connect(&url, 2).await.expect("connect");
+        let listener_pool = |store: &PgStore| {
+            PgPoolOptions::new()
+                .max_connections(1)
+                .connect_lazy_with(store.pool().connect_options().as_ref().clone())
+        };
+        assert!(
+            listen(&listener_pool(&direct), direct.pool()).await.is_ok(),
+            "a direct listener hears its probe"
+        );
+        let refused = listen(&listener_pool(&pooled), pooled.pool()).await;
+        assert!(
+            matches!(refused, Err(NotListening::MissedProbe)),
+            "a listener through the pooler is refused"
+        );
     }
 }

@@ -1,5 +1,6 @@
 //! The conformance suite on PostgreSQL: each test on a fresh database of a throwaway
-//! server (or of the server `DATABASE_URL` names).
+//! server (or of the server `DATABASE_URL` names), the suite twice: connected to the server
+//! directly, and through PgBouncer in transaction pooling mode.
 
 use std::time::Duration;
 
@@ -16,22 +17,46 @@ use sqlx::postgres::PgConnection;
 
 struct PgHarness {
     store: PgStore,
+    /// The database, direct (never through the pooler).
     url: String,
+    /// A connection to it for the harness's own checks.
+    admin: sqlx::PgPool,
 }
 
 impl PgHarness {
+    /// A store connected to a fresh database directly.
     async fn new() -> Self {
+        Self::connected(false).await
+    }
+
+    /// A store connected to a fresh database through PgBouncer in transaction mode.
+    async fn through_pgbouncer() -> Self {
+        Self::connected(true).await
+    }
+
+    async fn connected(pooled: bool) -> Self {
         let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
             .await
             .expect("fresh database");
+        let store_url = if pooled {
+            let direct = url.clone();
+            let pooled =
+                tokio::task::spawn_blocking(move || idemkey_testkit::pgbouncer_url(&direct))
+                    .await
+                    .expect("pgbouncer");
+            format!("{pooled}?{}=transaction", PgStore::POOLER_PARAMETER)
+        } else {
+            url.clone()
+        };
         // Room for every claimant of the 64-way race to hold its own transaction.
-        let store = PgStore::connect(&url, 80).await.expect("connect");
+        let store = PgStore::connect(&store_url, 80).await.expect("connect");
         store.migrate().await.expect("migrate");
+        let admin = sqlx::PgPool::connect(&url).await.expect("admin");
         sqlx::query("CREATE TABLE effects (label TEXT NOT NULL)")
-            .execute(store.pool())
+            .execute(&admin)
             .await
             .expect("effects table");
-        Self { store, url }
+        Self { store, url, admin }
     }
 }
 
@@ -43,8 +68,11 @@ impl Harness for PgHarness {
     }
 
     async fn write_effect(&self, conn: &mut PgConnection, label: &str) {
+        // Not kept prepared: behind a pooler the next transaction may be on another server
+        // connection (docs/operations.md, "Behind a pooler").
         sqlx::query("INSERT INTO effects (label) VALUES ($1)")
             .bind(label)
+            .persistent(false)
             .execute(conn)
             .await
             .expect("effect");
@@ -52,7 +80,7 @@ impl Harness for PgHarness {
 
     async fn count_effects(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM effects")
-            .fetch_one(self.store.pool())
+            .fetch_one(&self.admin)
             .await
             .expect("count")
     }
@@ -60,12 +88,13 @@ impl Harness for PgHarness {
     async fn sever(&self, mut tx: <PgStore as Store>::Transaction) {
         // The server kills the owner's backend mid-transaction, as if its client crashed.
         let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .persistent(false)
             .fetch_one(&mut *tx)
             .await
             .expect("pid");
         let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
             .bind(pid)
-            .fetch_one(self.store.pool())
+            .fetch_one(&self.admin)
             .await
             .expect("terminate");
         assert!(killed, "the owner's backend was terminated");
@@ -73,7 +102,17 @@ impl Harness for PgHarness {
     }
 }
 
-idemkey_testkit::conformance_tests!(PgHarness::new());
+mod direct {
+    use super::PgHarness;
+
+    idemkey_testkit::conformance_tests!(PgHarness::new());
+}
+
+mod through_pgbouncer {
+    use super::PgHarness;
+
+    idemkey_testkit::conformance_tests!(PgHarness::through_pgbouncer());
+}
 
 fn test_claim(key: &[u8]) -> Claim {
     let key = IdempotencyKey::parse(key).expect("key");

@@ -113,6 +113,7 @@ pub trait AppDb: Store + OutboxStore {
     /// Writes a payment and its ledger entry on `conn` (the claim's transaction), unless the
     /// tenant already has a payment with its reference: then nothing, and that payment's id.
     fn insert_payment<'a>(
+        &'a self,
         conn: &'a mut Self::Connection,
         payment: &'a Payment,
     ) -> impl Future<Output = anyhow::Result<PaymentWrite>> + Send + 'a;
@@ -228,6 +229,7 @@ impl AppDb for SqliteStore {
     }
 
     async fn insert_payment(
+        &self,
         conn: &mut SqliteConnection,
         p: &Payment,
     ) -> anyhow::Result<PaymentWrite> {
@@ -348,6 +350,7 @@ impl AppDb for RusqliteStore {
     }
 
     async fn insert_payment(
+        &self,
         conn: &mut rusqlite::Connection,
         p: &Payment,
     ) -> anyhow::Result<PaymentWrite> {
@@ -399,29 +402,37 @@ impl AppDb for PgStore {
 
     async fn missing_tables(&self) -> anyhow::Result<Vec<&'static str>> {
         let mut missing = Vec::new();
+        let mut conn = PgReader::new(self).await?;
         for table in REQUIRED_TABLES {
             let found: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
                 .bind(table)
-                .fetch_one(self.pool())
+                .persistent(conn.persistent())
+                .fetch_one(&mut *conn)
                 .await?;
             if !found {
                 missing.push(table);
             }
         }
+        conn.finish(self).await?;
         Ok(missing)
     }
 
     async fn setting(&self, name: &str) -> anyhow::Result<Option<Vec<u8>>> {
-        sqlx::query_scalar("SELECT value FROM server_settings WHERE name = $1")
+        let mut conn = PgReader::new(self).await?;
+        let value = sqlx::query_scalar("SELECT value FROM server_settings WHERE name = $1")
             .bind(name)
-            .fetch_optional(self.pool())
-            .await
-            .map_err(Into::into)
+            .persistent(conn.persistent())
+            .fetch_optional(&mut *conn)
+            .await?;
+        conn.finish(self).await?;
+        Ok(value)
     }
 
     async fn ping(&self) -> anyhow::Result<()> {
         // Connections are not pinged when handed out: after a restart the idle ones are
         // dead, and each failed try closes one (bounded by the pool size, plus a new one).
+        // Without parameters, sqlx sends it as a simple query: one message, safe behind a
+        // pooler too.
         let attempts = self.pool().options().get_max_connections() + 1;
         let mut attempt = 1;
         loop {
@@ -437,11 +448,15 @@ impl AppDb for PgStore {
 
     async fn migrate_all(&self) -> anyhow::Result<()> {
         self.migrate().await?;
-        PG_APP_MIGRATIONS.run(self.pool()).await?;
+        self.migrate_with(&PG_APP_MIGRATIONS).await?;
         Ok(())
     }
 
-    async fn insert_payment(conn: &mut PgConnection, p: &Payment) -> anyhow::Result<PaymentWrite> {
+    async fn insert_payment(
+        &self,
+        conn: &mut PgConnection,
+        p: &Payment,
+    ) -> anyhow::Result<PaymentWrite> {
         // Both rows in one statement (one round trip): the ledger entry is made from the
         // payment row the first insert returns, none when the reference is taken (the insert
         // waits for a transaction that holds it uncommitted, then sees its outcome).
@@ -460,6 +475,9 @@ impl AppDb for PgStore {
             ),
             p,
         )
+        // Kept prepared on a direct connection; behind a pooler the next transaction may
+        // be on another server connection, which would not have it.
+        .persistent(!self.through_pooler())
         .execute(&mut *conn)
         .await?;
         if written.rows_affected() > 0 {
@@ -470,48 +488,113 @@ impl AppDb for PgStore {
             sqlx::query_scalar("SELECT id FROM payments WHERE tenant = $1 AND reference = $2")
                 .bind(&p.tenant)
                 .bind(&p.reference)
+                .persistent(!self.through_pooler())
                 .fetch_one(conn)
                 .await?;
         Ok(PaymentWrite::ReferenceUsed { payment_id })
     }
 
     async fn payment(&self, tenant: &str, id: &str) -> anyhow::Result<Option<Payment>> {
-        sqlx::query_as("SELECT * FROM payments WHERE tenant = $1 AND id = $2")
+        let mut conn = PgReader::new(self).await?;
+        let payment = sqlx::query_as("SELECT * FROM payments WHERE tenant = $1 AND id = $2")
             .bind(tenant)
             .bind(id)
-            .fetch_optional(self.pool())
-            .await
-            .map_err(Into::into)
+            .persistent(conn.persistent())
+            .fetch_optional(&mut *conn)
+            .await?;
+        conn.finish(self).await?;
+        Ok(payment)
     }
 
     async fn payments(&self, tenant: &str, limit: i64) -> anyhow::Result<(Vec<Payment>, i64)> {
+        let mut conn = PgReader::new(self).await?;
         let data = sqlx::query_as(
             "SELECT * FROM payments WHERE tenant = $1 ORDER BY created_at DESC, id LIMIT $2",
         )
         .bind(tenant)
         .bind(limit)
-        .fetch_all(self.pool())
+        .persistent(conn.persistent())
+        .fetch_all(&mut *conn)
         .await?;
         let total = sqlx::query_scalar("SELECT count(*) FROM payments WHERE tenant = $1")
             .bind(tenant)
-            .fetch_one(self.pool())
+            .persistent(conn.persistent())
+            .fetch_one(&mut *conn)
             .await?;
+        conn.finish(self).await?;
         Ok((data, total))
     }
 
     async fn setting_or_init(&self, name: &str, value: &[u8]) -> anyhow::Result<Vec<u8>> {
+        let mut conn = PgReader::new(self).await?;
         sqlx::query(
             "INSERT INTO server_settings (name, value) VALUES ($1, $2) ON CONFLICT DO NOTHING",
         )
         .bind(name)
         .bind(value)
-        .execute(self.pool())
+        .persistent(conn.persistent())
+        .execute(&mut *conn)
         .await?;
-        sqlx::query_scalar("SELECT value FROM server_settings WHERE name = $1")
+        let value = sqlx::query_scalar("SELECT value FROM server_settings WHERE name = $1")
             .bind(name)
-            .fetch_one(self.pool())
-            .await
-            .map_err(Into::into)
+            .persistent(conn.persistent())
+            .fetch_one(&mut *conn)
+            .await?;
+        conn.finish(self).await?;
+        Ok(value)
+    }
+}
+
+/// A connection for the payments API's statements outside a claim's transaction. sqlx
+/// sends a statement with parameters as two exchanges (parse, then execute); behind a
+/// pooler in transaction mode ([`PgStore::through_pooler`]) only a transaction keeps both
+/// on one server connection, so there the statements run in one of their own, not kept
+/// prepared. Directly, a pooled connection, its statements kept prepared.
+enum PgReader {
+    Direct(sqlx::pool::PoolConnection<sqlx::Postgres>),
+    Pooled(idemkey_postgres::PgTransaction),
+}
+
+impl PgReader {
+    async fn new(store: &PgStore) -> anyhow::Result<Self> {
+        Ok(if store.through_pooler() {
+            Self::Pooled(store.begin().await?)
+        } else {
+            Self::Direct(store.pool().acquire().await?)
+        })
+    }
+
+    /// Whether statements on it are kept prepared (directly, not behind the pooler).
+    fn persistent(&self) -> bool {
+        matches!(self, Self::Direct(_))
+    }
+
+    /// Commits the transaction, if there is one (the statements may have written).
+    async fn finish(self, store: &PgStore) -> anyhow::Result<()> {
+        if let Self::Pooled(tx) = self {
+            store.commit(tx).await?;
+        }
+        Ok(())
+    }
+}
+
+impl std::ops::Deref for PgReader {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        match self {
+            Self::Direct(conn) => conn,
+            Self::Pooled(tx) => tx,
+        }
+    }
+}
+
+impl std::ops::DerefMut for PgReader {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        match self {
+            Self::Direct(conn) => conn,
+            Self::Pooled(tx) => tx,
+        }
     }
 }
 

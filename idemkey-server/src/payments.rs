@@ -140,7 +140,7 @@ pub(crate) async fn create_payment<S: AppDb>(
         created_at: now_rfc3339(),
         reference: new.reference,
     };
-    match S::insert_payment(&mut tx, &payment).await {
+    match state.db.insert_payment(&mut tx, &payment).await {
         Ok(PaymentWrite::Created) => {}
         // The business key outlives the idempotency record: whatever the key, however late,
         // a used reference names its payment (an outcome, stored like any other).

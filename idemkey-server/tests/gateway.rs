@@ -330,6 +330,20 @@ impl Db {
         Self { url, dir }
     }
 
+    /// A fresh PostgreSQL database the gateways reach through PgBouncer in transaction
+    /// mode.
+    async fn postgres_through_pgbouncer() -> Self {
+        let db = Self::postgres().await;
+        let direct = db.url.clone();
+        let url = tokio::task::spawn_blocking(move || idemkey_testkit::pgbouncer_url(&direct))
+            .await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        Self {
+            url: common::pgbouncer::pooled(&url),
+            ..db
+        }
+    }
+
     /// Starts `idemkey gateway` on this database in front of `upstream`, with tenant `t1`.
     async fn gateway(&self, upstream: &str, extra: &[&str]) -> Gateway {
         Gateway::start(&self.url, upstream, self.dir.path(), extra).await
@@ -636,6 +650,15 @@ async fn race_200_keys_16_copies_postgres() {
 async fn race_across_two_gateways_postgres() {
     let upstream = Upstream::start();
     let db = Db::postgres().await;
+    let a = db.gateway(&upstream.base, &[]).await;
+    let b = db.gateway(&upstream.base, &[]).await;
+    race(&upstream, &[&a, &b]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn race_across_two_gateways_through_pgbouncer() {
+    let upstream = Upstream::start();
+    let db = Db::postgres_through_pgbouncer().await;
     let a = db.gateway(&upstream.base, &[]).await;
     let b = db.gateway(&upstream.base, &[]).await;
     race(&upstream, &[&a, &b]).await;

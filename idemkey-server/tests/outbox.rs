@@ -69,7 +69,7 @@ async fn read_outbox(backend: &Backend) -> (Vec<Row>, Vec<String>) {
             (rows, ids)
         }
         Kind::Postgres => {
-            let pool = sqlx::PgPool::connect(backend.url()).await.unwrap();
+            let pool = sqlx::PgPool::connect(backend.direct_url()).await.unwrap();
             let rows = sqlx::query_as(outbox).fetch_all(&pool).await.unwrap();
             let ids = sqlx::query_scalar(payments).fetch_all(&pool).await.unwrap();
             pool.close().await;
@@ -599,4 +599,14 @@ fn relay_refuses_an_invalid_nats_server_list_at_start() {
     std::io::Read::read_to_string(&mut relay.stderr.take().unwrap(), &mut err).unwrap();
     assert!(!status.success());
     assert!(err.contains("--outbox-nats: invalid NATS URL"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgbouncer_kill9_under_load_one_message_per_payment() {
+    kill9_under_load_one_message_per_payment(Backend::postgres_through_pgbouncer().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pgbouncer_operator_commands_and_the_relay_process() {
+    operator_commands_and_the_relay_process(Backend::postgres_through_pgbouncer().await).await;
 }

@@ -4,6 +4,8 @@
 //!   with [`conformance_tests!`];
 //! - a throwaway PostgreSQL server for tests ([`postgres_url`], [`fresh_database_url`]),
 //!   started from the installed binaries when `DATABASE_URL` is not set;
+//! - a PgBouncer in transaction pooling mode in front of that server ([`pgbouncer_url`],
+//!   [`PgBouncer`]), started from the installed `pgbouncer`;
 //! - a throwaway NATS server with JetStream ([`NatsServer`]), started from the installed
 //!   `nats-server`, that a test can stop and start again on the same port and store;
 //! - a throwaway three-node JetStream cluster ([`NatsCluster`]), whose nodes a test can kill
@@ -14,10 +16,12 @@
 pub mod conformance;
 mod nats;
 mod nats_cluster;
+mod pgbouncer;
 mod postgres;
 
 pub use self::conformance::Harness;
 pub use self::nats::{NATS_SERVER_ENV, NatsServer, Stop, nats_server_binary};
 pub use self::nats_cluster::{CLUSTER_SIZE, NatsCluster};
+pub use self::pgbouncer::{PGBOUNCER_ENV, PgBouncer, pgbouncer_binary, pgbouncer_url};
 pub use self::postgres::*;
 pub use idemkey_fault_proxy::{FaultConfig, FaultProxy, ProxyStats};

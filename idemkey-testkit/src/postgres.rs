@@ -246,7 +246,27 @@ fn start_server() -> Result<Server, String> {
             ));
         }
     }
-    let run_as = if current_uid()? == 0 {
+    let run_as = root_fallback()?;
+
+    let mut failures = Vec::new();
+    for _ in 0..PORT_ATTEMPTS {
+        match start_attempt(&bindir, run_as.as_ref()) {
+            Ok(server) => return Ok(server),
+            Err(Attempt::PortTaken(message)) => failures.push(message),
+            Err(Attempt::Failed(message)) => return Err(message),
+        }
+    }
+    Err(format!(
+        "cannot start the throwaway PostgreSQL server: its port was taken {PORT_ATTEMPTS} \
+         times in a row:\n{}",
+        failures.join("\n")
+    ))
+}
+
+/// The user to run servers as when the tests run as root (PostgreSQL and PgBouncer refuse
+/// to run as root); `None` otherwise.
+pub(crate) fn root_fallback() -> Result<Option<RunAs>, String> {
+    Ok(if current_uid()? == 0 {
         // initdb and postgres refuse to run as root.
         let ids = |flag: &str| {
             let output = Command::new("id")
@@ -273,27 +293,15 @@ fn start_server() -> Result<Server, String> {
         })
     } else {
         None
-    };
-
-    let mut failures = Vec::new();
-    for _ in 0..PORT_ATTEMPTS {
-        match start_attempt(&bindir, run_as.as_ref()) {
-            Ok(server) => return Ok(server),
-            Err(Attempt::PortTaken(message)) => failures.push(message),
-            Err(Attempt::Failed(message)) => return Err(message),
-        }
-    }
-    Err(format!(
-        "cannot start the throwaway PostgreSQL server: its port was taken {PORT_ATTEMPTS} \
-         times in a row:\n{}",
-        failures.join("\n")
-    ))
+    })
 }
 
-struct RunAs {
-    user: &'static str,
-    uid: u32,
-    gid: u32,
+/// A user to run a server as.
+#[derive(Debug)]
+pub(crate) struct RunAs {
+    pub(crate) user: &'static str,
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
 }
 
 enum Attempt {
@@ -319,7 +327,7 @@ fn current_uid() -> Result<u32, String> {
 
 /// A command running `program` as `run_as`, with `base` as working
 /// directory (the caller's may be unreadable for that user).
-fn command(program: &Path, run_as: Option<&RunAs>, base: &Path) -> Command {
+pub(crate) fn command(program: &Path, run_as: Option<&RunAs>, base: &Path) -> Command {
     let mut command = match run_as {
         Some(run_as) => {
             let runuser = ["/usr/sbin/runuser", "/sbin/runuser", "/usr/bin/runuser"]

@@ -258,6 +258,7 @@ impl super::Backend {
     pub(crate) fn postgres_at(url: String) -> Self {
         Self {
             kind: super::Kind::Postgres,
+            direct: url.clone(),
             url,
             dir: tempfile::tempdir().expect("temporary directory"),
             started: std::sync::atomic::AtomicUsize::new(0),

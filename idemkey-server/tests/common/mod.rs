@@ -29,6 +29,7 @@ use tokio::sync::Semaphore;
 pub(crate) mod cluster;
 pub(crate) mod gateway;
 pub(crate) mod load;
+pub(crate) mod pgbouncer;
 
 /// Tenant `t1`'s token.
 pub(crate) const TOKEN1: &str = "tok1";
@@ -83,6 +84,8 @@ pub(crate) enum Kind {
 pub(crate) struct Backend {
     kind: Kind,
     url: String,
+    /// The same database, never through a pooler: what the test itself reads.
+    direct: String,
     /// The SQLite file and the servers' logs.
     dir: tempfile::TempDir,
     started: AtomicUsize,
@@ -95,6 +98,7 @@ impl Backend {
         let url = format!("sqlite:{}", dir.path().join("idemkey.db").display());
         Self {
             kind: Kind::Sqlite,
+            direct: url.clone(),
             url,
             dir,
             started: AtomicUsize::new(0),
@@ -108,6 +112,7 @@ impl Backend {
             .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
         Self {
             kind: Kind::Postgres,
+            direct: url.clone(),
             url,
             dir: tempfile::tempdir().expect("temporary directory"),
             started: AtomicUsize::new(0),
@@ -142,7 +147,7 @@ impl Backend {
             Kind::Sqlite => {
                 let pool = sqlx::sqlite::SqlitePoolOptions::new()
                     .max_connections(1)
-                    .connect(&self.url)
+                    .connect(&self.direct)
                     .await
                     .expect("open the SQLite database");
                 let snapshot = read_snapshot!(&pool);
@@ -152,7 +157,7 @@ impl Backend {
             Kind::Postgres => {
                 let pool = sqlx::postgres::PgPoolOptions::new()
                     .max_connections(1)
-                    .connect(&self.url)
+                    .connect(&self.direct)
                     .await
                     .expect("connect to PostgreSQL");
                 let snapshot = read_snapshot!(&pool);
@@ -170,7 +175,7 @@ impl Backend {
         }
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(1)
-            .connect(&self.url)
+            .connect(&self.direct)
             .await
             .expect("connect to PostgreSQL");
         let n: i64 = sqlx::query_scalar(
