@@ -1507,8 +1507,9 @@ async fn server_errors_and_oversized_answers() {
     assert_eq!(upstream.effects("big"), 1);
 }
 
-/// Seed 004's rule through the gateway: an upstream that recorded its effect and then
-/// answered 500, or reset the connection after its effect, is never sent the request again;
+/// A failure after the request left is never re-executed, through the gateway: an upstream
+/// that recorded its effect and then answered 500, or reset the connection after its effect,
+/// is never sent the request again;
 /// the retry gets the stored 500 or 409 `outcome-unknown`, and the upstream counts one
 /// effect. So does an owner whose client hung up mid-flight: the gateway finishes its work
 /// and the retry replays.
