@@ -168,7 +168,7 @@ mod sqlite_sql {
                  (id, tenant, amount, currency, customer, description, status, created_at,
                   reference)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
-             ON CONFLICT (tenant, reference) DO NOTHING"
+             ON CONFLICT (tenant, reference) WHERE reference IS NOT NULL DO NOTHING"
         };
     }
     /// Its ledger entry, from the same parameters, when the payment was written.
@@ -467,7 +467,7 @@ impl AppDb for PgStore {
                      (id, tenant, amount, currency, customer, description, status, created_at,
                       reference)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-                 ON CONFLICT (tenant, reference) DO NOTHING
+                 ON CONFLICT (tenant, reference) WHERE reference IS NOT NULL DO NOTHING
                  RETURNING id, tenant, amount, currency, created_at
              )
              INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
