@@ -21,6 +21,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -35,7 +36,7 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 use tower::ServiceExt;
 
 use crate::problem::ApiError;
@@ -201,11 +202,11 @@ async fn connection(
     _closed: watch::Receiver<()>,
 ) {
     let _ = stream.set_nodelay(true);
-    let (requests, mut in_progress) = watch::channel(0usize);
+    let activity = Arc::new(Activity::default());
     let service = Service {
         app,
         body_deadline: limits.request_body_deadline,
-        requests: Arc::new(requests),
+        activity: activity.clone(),
     };
     let mut builder = http1::Builder::new();
     builder
@@ -214,6 +215,8 @@ async fn connection(
         .keep_alive(slot.is_some());
     let conn = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(conn);
+    let idle = idle(&activity, limits.idle_timeout);
+    tokio::pin!(idle);
     let mut closing = false;
     loop {
         tokio::select! {
@@ -227,7 +230,7 @@ async fn connection(
                 conn.as_mut().graceful_shutdown();
                 closing = true;
             }
-            () = idle(&mut in_progress, limits.idle_timeout), if !closing => {
+            () = idle.as_mut(), if !closing => {
                 conn.as_mut().graceful_shutdown();
                 closing = true;
             }
@@ -236,28 +239,59 @@ async fn connection(
     drop(slot);
 }
 
-/// Resolves once no request has been in progress on the connection for `timeout`.
-async fn idle(in_progress: &mut watch::Receiver<usize>, timeout: Duration) {
+/// Resolves once no request has been in progress on the connection for `timeout`. One timer
+/// per connection, looked at when it fires: requests only touch two atomics, and wake
+/// nothing.
+async fn idle(activity: &Activity, timeout: Duration) {
     loop {
-        if in_progress.wait_for(|n| *n == 0).await.is_err() {
-            return std::future::pending().await;
-        }
-        if tokio::time::timeout(timeout, in_progress.changed())
-            .await
-            .is_err()
+        let since = activity.idle_since().unwrap_or_else(Instant::now);
+        tokio::time::sleep_until(since + timeout).await;
+        if activity
+            .idle_since()
+            .is_some_and(|since| since.elapsed() >= timeout)
         {
             return;
         }
     }
 }
 
+/// What [`idle`] reads of a connection: the requests in progress, and when the last one
+/// ended.
+struct Activity {
+    /// When the connection was accepted: the origin of `last_end`.
+    start: Instant,
+    in_progress: AtomicUsize,
+    /// Nanoseconds from `start` to the end of the last request.
+    last_end: AtomicU64,
+}
+
+impl Default for Activity {
+    fn default() -> Self {
+        Self {
+            start: Instant::now(),
+            in_progress: AtomicUsize::new(0),
+            last_end: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Activity {
+    /// Since when no request has been in progress; `None` while one is.
+    fn idle_since(&self) -> Option<Instant> {
+        if self.in_progress.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        Some(self.start + Duration::from_nanos(self.last_end.load(Ordering::Acquire)))
+    }
+}
+
 /// The hyper service of one connection: each request's body under the deadline, and the
-/// count of requests in progress that [`idle`] watches.
+/// count of requests in progress that [`idle`] reads.
 #[derive(Clone)]
 struct Service {
     app: Router,
     body_deadline: Duration,
-    requests: Arc<watch::Sender<usize>>,
+    activity: Arc<Activity>,
 }
 
 impl hyper::service::Service<Request<Incoming>> for Service {
@@ -266,7 +300,7 @@ impl hyper::service::Service<Request<Incoming>> for Service {
     type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
 
     fn call(&self, request: Request<Incoming>) -> Self::Future {
-        let in_progress = InProgress::start(self.requests.clone());
+        let in_progress = InProgress::start(self.activity.clone());
         let deadline = self.body_deadline;
         let request = request.map(|body| Body::new(DeadlineBody::new(body, deadline)));
         let app = self.app.clone();
@@ -279,18 +313,21 @@ impl hyper::service::Service<Request<Incoming>> for Service {
 }
 
 /// One request in progress, counted until it is answered (or dropped).
-struct InProgress(Arc<watch::Sender<usize>>);
+struct InProgress(Arc<Activity>);
 
 impl InProgress {
-    fn start(requests: Arc<watch::Sender<usize>>) -> Self {
-        requests.send_modify(|n| *n += 1);
-        Self(requests)
+    fn start(activity: Arc<Activity>) -> Self {
+        activity.in_progress.fetch_add(1, Ordering::AcqRel);
+        Self(activity)
     }
 }
 
 impl Drop for InProgress {
     fn drop(&mut self) {
-        self.0.send_modify(|n| *n -= 1);
+        let activity = &self.0;
+        let end = u64::try_from(activity.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        activity.last_end.store(end, Ordering::Release);
+        activity.in_progress.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
