@@ -45,6 +45,8 @@ pub use self::http_server::HttpLimits;
 #[doc = include_str!("../../docs/benchmarks.md")]
 #[doc = include_str!("../../docs/decisions.md")]
 #[doc = include_str!("../../docs/outbox.md")]
+#[doc = include_str!("../../docs/getting-started.md")]
+#[doc = include_str!("../../docs/layer.md")]
 pub struct ReadmeDoctests;
 pub use self::db::{AppDb, Payment};
 pub use self::secret::KeySecrets;
