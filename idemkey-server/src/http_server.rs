@@ -335,7 +335,11 @@ impl Drop for InProgress {
 /// which a trickle of bytes does not reset.
 struct DeadlineBody {
     body: Incoming,
-    deadline: Pin<Box<Sleep>>,
+    /// When the head arrived: the deadline counts from it.
+    start: Instant,
+    /// The timer, made the first time the body is not ready at once (most bodies arrive
+    /// with their head and never need one).
+    deadline: Option<Pin<Box<Sleep>>>,
     limit: Duration,
 }
 
@@ -343,7 +347,8 @@ impl DeadlineBody {
     fn new(body: Incoming, limit: Duration) -> Self {
         Self {
             body,
-            deadline: Box::pin(tokio::time::sleep(limit)),
+            start: Instant::now(),
+            deadline: None,
             limit,
         }
     }
@@ -361,7 +366,10 @@ impl hyper::body::Body for DeadlineBody {
         if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
             return Poll::Ready(frame.map(|f| f.map_err(axum::Error::new)));
         }
-        if this.deadline.as_mut().poll(cx).is_ready() {
+        let (start, limit) = (this.start, this.limit);
+        let deadline = (this.deadline)
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(start + limit)));
+        if deadline.as_mut().poll(cx).is_ready() {
             tracing::info!(deadline = ?this.limit, "request body cut at its deadline");
             let cut = std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
