@@ -5,7 +5,7 @@
 //! survives a restart). Every attempt of that operation sends the same key and the same body
 //! bytes: a key generated per HTTP call is not an idempotency key, it is a request id.
 //!
-//! What the client does with each answer (`docs/contract.md` states the server's side):
+//! What the client does with each answer (`docs/guide/contract.md` states the server's side):
 //!
 //! | answer | what happens |
 //! |---|---|

@@ -7,7 +7,7 @@ use reqwest::StatusCode;
 use reqwest::header::{CONTENT_TYPE, HeaderMap};
 use serde_json::{Map, Value};
 
-/// The stable problem `type` values of the idemkey contract (`docs/contract.md`).
+/// The stable problem `type` values of the idemkey contract (`docs/guide/contract.md`).
 ///
 /// Each is the [`uri`](idemkey_core::problem::ProblemType::uri) of the problem type of the same
 /// name in [`idemkey_core::problem`], where its status, title and whether the client retries

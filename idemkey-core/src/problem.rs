@@ -5,7 +5,7 @@
 //! here, with its HTTP status, its title and whether a client may retry it with the same key.
 //! The layer and the gateway (`idemkey-tower`), the reference payments API (`idemkey-server`)
 //! and the client (`idemkey-client`) all read these constants, and a test checks the tables of
-//! `docs/contract.md` against [`ALL`].
+//! `docs/guide/contract.md` against [`ALL`].
 //!
 //! ```
 //! use idemkey_core::problem;

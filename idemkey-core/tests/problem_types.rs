@@ -1,4 +1,4 @@
-//! `docs/contract.md` against the problem registry (`idemkey_core::problem`): the same types,
+//! `docs/guide/contract.md` against the problem registry (`idemkey_core::problem`): the same types,
 //! and in its tables the same status and the same retry answer for each.
 
 use std::collections::BTreeSet;
@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use idemkey_core::problem::{self, PROBLEM_TYPE_PREFIX};
 
 fn contract() -> String {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/contract.md");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/guide/contract.md");
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"))
 }
 
@@ -124,7 +124,7 @@ fn the_contract_lists_exactly_the_registered_problem_types() {
     let found = discrepancies(&contract());
     assert!(
         found.is_empty(),
-        "docs/contract.md and idemkey_core::problem disagree:\n{}",
+        "docs/guide/contract.md and idemkey_core::problem disagree:\n{}",
         found.join("\n")
     );
 }

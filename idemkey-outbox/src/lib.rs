@@ -1,7 +1,7 @@
 //! # idemkey-outbox
 //!
 //! idemkey makes a request happen once at the database. This crate carries that guarantee
-//! one boundary further (docs/outbox.md):
+//! one boundary further (docs/guide/outbox.md):
 //!
 //! - a handler [`enqueue`]s messages on the same [`Tx`](idemkey_tower::Tx) it writes its
 //!   effect on, so a message is committed with the effect and the idempotency record, or not

@@ -68,7 +68,7 @@ impl PgStore {
     ///
     /// The store sends no statement that outlives its transaction, so `url` may name a
     /// pooler in transaction mode (PgBouncer's `pool_mode = transaction`) as well as the
-    /// server: see docs/operations.md, "Behind a pooler". Directly, the wait is each
+    /// server: see docs/guide/operating.md, "Behind a pooler". Directly, the wait is each
     /// connection's `lock_timeout`, set when it connects; through such a pooler, which
     /// refuses that startup setting, it is set in each transaction (`SET LOCAL`).
     ///
@@ -120,7 +120,7 @@ impl PgStore {
     /// with parameters must then not be kept prepared (sqlx's
     /// [`persistent(false)`](sqlx::query::Query::persistent)) and must run inside a
     /// transaction: sqlx parses and executes such a statement in two exchanges, which only
-    /// a transaction keeps on one server connection. See docs/operations.md, "Behind a
+    /// a transaction keeps on one server connection. See docs/guide/operating.md, "Behind a
     /// pooler".
     pub fn through_pooler(&self) -> bool {
         self.pooled

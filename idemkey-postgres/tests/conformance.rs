@@ -69,7 +69,7 @@ impl Harness for PgHarness {
 
     async fn write_effect(&self, conn: &mut PgConnection, label: &str) {
         // Not kept prepared: behind a pooler the next transaction may be on another server
-        // connection (docs/operations.md, "Behind a pooler").
+        // connection (docs/guide/operating.md, "Behind a pooler").
         sqlx::query("INSERT INTO effects (label) VALUES ($1)")
             .bind(label)
             .persistent(false)

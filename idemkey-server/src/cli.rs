@@ -465,7 +465,7 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 }
 
 /// The HTTP server's timeouts and connection limit, for `serve` and `gateway`
-/// (docs/operations.md, "Timeouts and limits").
+/// (docs/guide/operating.md, "Timeouts and limits").
 #[derive(Debug, Clone, Copy, Args)]
 pub struct HttpLimitArgs {
     /// How long a client has to send a whole request head, counted from when the connection

@@ -38,15 +38,18 @@ pub use self::http_server::HttpLimits;
 /// does not need the workspace's files.)
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
-#[doc = include_str!("../../docs/contract.md")]
+#[doc = include_str!("../../docs/guide/getting-started.md")]
+#[doc = include_str!("../../docs/guide/contract.md")]
+#[doc = include_str!("../../docs/guide/modes.md")]
+#[doc = include_str!("../../docs/guide/gateway.md")]
+#[doc = include_str!("../../docs/guide/outbox.md")]
+#[doc = include_str!("../../docs/guide/operating.md")]
 #[doc = include_str!("../../docs/records.md")]
 #[doc = include_str!("../../docs/fingerprint.md")]
-#[doc = include_str!("../../docs/gateway.md")]
+#[doc = include_str!("../../docs/metrics.md")]
 #[doc = include_str!("../../docs/benchmarks.md")]
 #[doc = include_str!("../../docs/decisions.md")]
-#[doc = include_str!("../../docs/outbox.md")]
-#[doc = include_str!("../../docs/getting-started.md")]
-#[doc = include_str!("../../docs/layer.md")]
+#[doc = include_str!("../../docs/reliability.md")]
 pub struct ReadmeDoctests;
 pub use self::db::{AppDb, Payment};
 pub use self::secret::KeySecrets;

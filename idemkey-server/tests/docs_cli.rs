@@ -1,4 +1,4 @@
-//! Docs that cannot drift: every `idemkey` command line shown in `README.md` and `docs/*.md`
+//! Docs that cannot drift: every `idemkey` command line shown in `README.md` and `docs/`
 //! is checked against the real command line.
 //!
 //! A command line is a line of a `sh`/`bash`/`shell` code block that starts with `idemkey `
@@ -54,15 +54,22 @@ fn workspace_root() -> PathBuf {
         .to_owned()
 }
 
-/// The documents to check: the README and every `docs/*.md`.
+/// The documents to check: the README and every Markdown page under `docs/`.
 fn documents() -> Vec<(String, String)> {
     let root = workspace_root();
     let mut paths = vec![root.join("README.md")];
-    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
-        .expect("read docs/")
-        .map(|entry| entry.expect("docs/ entry").path())
-        .filter(|path| path.extension().is_some_and(|ext| ext == "md"))
-        .collect();
+    let mut docs = Vec::new();
+    let mut dirs = vec![root.join("docs")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read docs/") {
+            let path = entry.expect("docs/ entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|ext| ext == "md") {
+                docs.push(path);
+            }
+        }
+    }
     docs.sort();
     paths.extend(docs);
     paths

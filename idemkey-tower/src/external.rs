@@ -42,7 +42,7 @@ impl Flags {
 /// the other service, and [`outcome_unknown`](Self::outcome_unknown) when it timed out or the
 /// connection broke after that ([`nothing_sent`](Self::nothing_sent) when the call is known
 /// not to have left after all). What becomes of the record is then the same rule for every
-/// route and for `idemkey gateway` (`docs/contract.md`, "After the point of no return"):
+/// route and for `idemkey gateway` (`docs/guide/contract.md`, "After the point of no return"):
 ///
 /// - before the point of no return, whatever the handler does frees the key: nothing can
 ///   have happened elsewhere, so a retry runs the handler again (always mark the point of

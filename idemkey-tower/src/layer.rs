@@ -387,7 +387,7 @@ impl<S> IdempotencyLayer<S> {
     /// Which answers the route stores, which say nothing was done (the key is released, or
     /// in local mode the transaction rolls back), and which leave the outcome unknown
     /// (external mode: the record turns indeterminate). See [`AnswerRule`] for the default
-    /// and `docs/contract.md` for the whole table.
+    /// and `docs/guide/contract.md` for the whole table.
     ///
     /// ```
     /// # use idemkey_core::{AfterEffect, AnswerRule, KeyHasher};

@@ -16,7 +16,7 @@
 //! | store unreachable | 503 + `Retry-After`; the handler does not run |
 //!
 //! Errors are `application/problem+json` ([`IdempotencyRejection`]). The full contract is
-//! in `docs/contract.md`. See [`IdempotencyLayer`] for an example.
+//! in `docs/guide/contract.md`. See [`IdempotencyLayer`] for an example.
 
 mod cache;
 mod coalesce;

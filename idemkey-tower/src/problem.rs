@@ -1,7 +1,7 @@
 //! The layer's error answers: `application/problem+json` (RFC 9457), one stable `type` each.
 //!
 //! Every case names its problem type here, next to its definition; the type's status, title
-//! and retry answer are declared once in [`idemkey_core::problem`], which `docs/contract.md`
+//! and retry answer are declared once in [`idemkey_core::problem`], which `docs/guide/contract.md`
 //! is checked against.
 
 use std::time::Duration;

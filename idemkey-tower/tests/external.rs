@@ -319,7 +319,7 @@ type Row<'a> = (
     Option<RecordState>,
 );
 
-/// Every row of the after-effect table (`docs/contract.md`), in the layer's external mode:
+/// Every row of the after-effect table (`docs/guide/contract.md`), in the layer's external mode:
 /// what the retry gets and how many times the bank was called.
 #[tokio::test]
 async fn every_row_of_the_after_effect_table() {
