@@ -300,7 +300,7 @@ pub async fn key_secrets<S: AppDb>(
                     "warning: the key secret is kept in `{url}`, beside the keyed hashes it \
                      protects: a copy of the database holds both. To move it out, start with \
                      {THE_FLAGS}; records made under the database-kept secret stay reachable \
-                     until they expire (docs/guide/operating.md)."
+                     until they expire (docs/guide/operating.md, \"Key secret\")."
                 );
             }
             secret
