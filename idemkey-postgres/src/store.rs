@@ -41,8 +41,8 @@ impl PgStore {
     ///
     /// Between its own transactions the store keeps up to half of the pool's connections,
     /// out of the pool, so that a connection its `COMMIT` ended needs no test by the pool
-    /// before the next transaction (docs/decisions.md, "The store keeps the connections its
-    /// own `COMMIT`s ended"): a kept connection goes back to the pool after 50 ms unused, so
+    /// before the next transaction (docs/decisions.md, "No round trip to test a PostgreSQL
+    /// connection"): a kept connection goes back to the pool after 50 ms unused, so
     /// the application's own queries on a pool the store has exhausted wait at most about
     /// that long for one.
     pub fn new(pool: PgPool) -> Self {
