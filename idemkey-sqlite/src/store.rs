@@ -3,12 +3,12 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
-    AuditEntry, AuditRow, Begun, CommitError, EvictionNotices, Inserted, ListFilter, Members,
-    NewRecord, Purged, Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
-    bind_completion, classify_error,
+    AuditEntry, Begun, CommitError, EvictionNotices, Inserted, ListFilter, Members, NewRecord,
+    Purged, Record, RecordId, Store, StoreError, StoredResponse, Timestamp,
 };
+use idemkey_sqlx::group::{self, Completion, GroupWriter, GroupedWrites};
+use idemkey_sqlx::{AuditRow, Code, RecordRow, bind_completion, classify_error};
 use sqlx::Sqlite;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::sqlite::{
@@ -36,7 +36,7 @@ pub struct SqliteStore {
     pool: SqlitePool,
     writer: Arc<Writer>,
     /// External mode's reservations and completions, written in groups, each group in one
-    /// turn of the writer (`idemkey_core::group`).
+    /// turn of the writer (`idemkey_sqlx::group`).
     grouped: GroupedWrites,
 }
 
@@ -114,9 +114,14 @@ impl SqliteStore {
     }
 }
 
-/// SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes.
-fn is_busy(code: &str) -> bool {
-    code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6))
+/// What a SQLite result code says: SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their
+/// extended codes, are busy. SQLite has no code for a lost connection (there is none to
+/// lose: an I/O error is SQLITE_IOERR, a refused statement).
+fn result_code(code: &str) -> Code {
+    match code.parse::<i32>() {
+        Ok(c) if matches!(c & 0xff, 5 | 6) => Code::Busy,
+        _ => Code::Other,
+    }
 }
 
 impl Evictions for SqlitePool {
@@ -137,7 +142,7 @@ impl Evictions for SqlitePool {
 }
 
 pub(crate) fn error(e: sqlx::Error) -> StoreError {
-    classify_error(e, is_busy)
+    classify_error(e, result_code)
 }
 
 fn record(row: RecordRow) -> Result<Record, StoreError> {
@@ -514,7 +519,7 @@ impl Store for SqliteStore {
     /// Concurrent reservations are written in groups, one multi-row `INSERT` in one turn of
     /// the writer each, each answered once its group committed, as [`insert`](Store::insert)
     /// would have answered it alone (a key found taken is [`Inserted::Conflict`]); one that
-    /// finds nothing being written goes at once, alone. (`idemkey_core::group`,
+    /// finds nothing being written goes at once, alone. (`idemkey_sqlx::group`,
     /// `SqliteStore::insert_group`.)
     async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
         self.grouped.insert(self, record).await
@@ -522,7 +527,7 @@ impl Store for SqliteStore {
 
     /// Concurrent completions are written in groups, one `UPDATE` in one turn of the writer
     /// each, each answered once its group committed, as [`complete`](Store::complete) would
-    /// have answered it alone. (`idemkey_core::group`, `SqliteStore::complete_group`.)
+    /// have answered it alone. (`idemkey_sqlx::group`, `SqliteStore::complete_group`.)
     async fn complete_autocommit(
         &self,
         id: &RecordId,

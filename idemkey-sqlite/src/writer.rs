@@ -10,7 +10,7 @@
 //! lease's writes) take the same turn, on the same connection
 //! ([`acquire_for_write`](idemkey_core::Store::acquire_for_write)); reservations and
 //! completions that arrive together share one turn and one statement
-//! (`idemkey_core::group`). SQLite's busy handler is
+//! (`idemkey_sqlx::group`). SQLite's busy handler is
 //! left with the writers this queue does not see (the application's autocommit statements
 //! on [`acquire`](idemkey_core::Store::acquire)d connections, other processes).
 //!
