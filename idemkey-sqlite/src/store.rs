@@ -280,16 +280,21 @@ BEGIN"
 /// The statements of [`COMPLETE_AND_COMMIT`] before its `COMMIT`.
 const BEFORE_COMMIT: usize = 3;
 
-/// SQLITE_CONSTRAINT_CHECK, and the name of the guard's constraint in its message.
-const FENCED: (&str, &str) = ("275", "idemkey_fenced");
+/// Where the completion and its guard are among the statements of [`COMPLETE_AND_COMMIT`].
+const COMPLETION: usize = 1;
+const GUARD: usize = 2;
 
-fn is_fenced(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => {
-            db.code().as_deref() == Some(FENCED.0) && db.message().contains(FENCED.1)
-        }
-        _ => false,
-    }
+/// SQLITE_CONSTRAINT_CHECK, what the guard's refusal is.
+const CONSTRAINT_CHECK: &str = "275";
+
+/// Whether [`COMPLETE_AND_COMMIT`] was stopped by its guard, from the rows each statement
+/// that completed changed (`changed`) and the error that stopped it: the completion ran and
+/// changed no row, and the next statement, the guard, failed its check. Told by the
+/// completion's own count and the error's code, never by a message.
+fn is_fenced(changed: &[u64], e: &sqlx::Error) -> bool {
+    changed.len() == GUARD
+        && changed[COMPLETION] == 0
+        && matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(CONSTRAINT_CHECK))
 }
 
 /// `values` rows of `width` parameters each: `(?, ?), (?, ?)` for 2 and 2, bound in order.
@@ -487,12 +492,12 @@ impl Store for SqliteStore {
         now: Timestamp,
     ) -> Result<(), CommitError> {
         let batch = bind_completion(sqlx::query(COMPLETE_AND_COMMIT), id, token, response, now);
-        let Err((completed, e)) = tx.commit_batch(batch, BEFORE_COMMIT, is_fenced).await else {
+        let Err((changed, e)) = tx.commit_batch(batch, BEFORE_COMMIT, is_fenced).await else {
             return Ok(());
         };
-        Err(match completed {
-            // The guard, or a statement before it, refused: the `COMMIT` did not run.
-            _ if is_fenced(&e) => CommitError::Fenced,
+        Err(match changed.len() {
+            // The completion matched no row, and the guard refused: the `COMMIT` did not run.
+            _ if is_fenced(&changed, &e) => CommitError::Fenced,
             n if n < BEFORE_COMMIT && matches!(e, sqlx::Error::Database(_)) => {
                 CommitError::NotCommitted(error(e))
             }
