@@ -50,8 +50,10 @@ impl PgStore {
         Self {
             kept: Kept::new(&pool),
             pool,
-            // Two groups of each kind at a time, each on a pooled connection: the side-by-side
-            // harness, bound by waiting rather than CPU, ran 11 % faster than with one.
+            // Two groups of each kind at a time, each on a pooled connection: the writes wait
+            // on round trips and commits rather than on CPU, so a second group in flight
+            // overlaps that wait (docs/decisions.md, "Concurrent external-mode writes are
+            // committed in groups").
             grouped: GroupedWrites::new(2),
             lock_wait: None,
             pooled: false,

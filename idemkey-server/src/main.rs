@@ -14,8 +14,8 @@ use tracing_subscriber::EnvFilter;
 
 const DEFAULT_WAIT: std::time::Duration = InFlightPolicy::DEFAULT_WAIT;
 
-// mimalloc rather than the system allocator: under load glibc's malloc spent ~12 % of the
-// server's CPU (consolidating and unlinking chunks); see docs/decisions.md, "mimalloc".
+// mimalloc rather than the system allocator: under load glibc's malloc spent a large share
+// of the server's CPU consolidating and unlinking chunks; see docs/decisions.md, "mimalloc".
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -23,7 +23,8 @@ use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 
 /// External mode's grouped writes: one group of each kind at a time. The writer takes them
 /// in turns anyway, and a second group only splits the waiting writes (the gateway's fresh
-/// requests were 8–21 % slower with two, in both benchmarks).
+/// requests were slower with two: docs/decisions.md, "Concurrent external-mode writes are
+/// committed in groups").
 pub(crate) const GROUP_WRITERS: usize = 1;
 
 /// An idempotency store in a SQLite database.
@@ -300,7 +301,7 @@ fn is_fenced(changed: &[u64], e: &sqlx::Error) -> bool {
 /// `values` rows of `width` parameters each: `(?, ?), (?, ?)` for 2 and 2, bound in order.
 /// Anonymous: sqlx asks SQLite the name of every parameter it binds, and SQLite finds a
 /// numbered one by walking the statement's list of names, which a group's hundreds of
-/// `?NNN` made quadratic (2.9 % of the gateway's CPU in a profile).
+/// `?NNN` made quadratic in the group's size.
 fn value_rows(values: usize, width: usize) -> String {
     let row = format!("({})", vec!["?"; width].join(", "));
     vec![row; values].join(", ")
