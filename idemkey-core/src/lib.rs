@@ -16,20 +16,17 @@
 //!   external-mode record once its owner is done (complete / release / indeterminate);
 //! - [`Store`]: the SQL primitives a backend provides;
 //! - [`protocol`]: the claim protocol on top of them, written once for every store;
-//! - [`outbox`]: the SQL primitives of the transactional outbox ([`outbox::OutboxStore`]);
-//! - `group` (feature `sqlx`): group commit of external-mode writes, shared by the sqlx
-//!   stores.
+//! - [`outbox`]: the SQL primitives of the transactional outbox ([`outbox::OutboxStore`]).
 //!
 //! - [`Clock`]: where the current time comes from.
 //!
-//! No I/O happens here; the stores (`idemkey-sqlite`, `idemkey-postgres`) speak SQL.
+//! No I/O happens here, and no runtime is needed: the stores (`idemkey-sqlite`,
+//! `idemkey-postgres`) speak SQL, and what the sqlx ones share lives in `idemkey-sqlx`.
 
 mod decision;
 mod eviction;
 mod fingerprint;
 mod first_sent;
-#[cfg(feature = "sqlx")]
-pub mod group;
 mod jcs;
 mod key;
 pub mod outbox;
@@ -38,8 +35,6 @@ pub mod protocol;
 mod record;
 mod redact;
 mod scope;
-#[cfg(feature = "sqlx")]
-mod sqlx_row;
 mod store;
 mod time;
 
@@ -57,11 +52,6 @@ pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse};
 pub use self::redact::{CREDENTIAL_PARAMETERS, redact_url};
 pub use self::scope::{KeyHasher, RecordId, Scope};
-#[cfg(feature = "sqlx")]
-pub use self::sqlx_row::{
-    AuditRow, MessageRow, OutboxAuditRow, RecordRow, bind_completion, classify_error,
-    is_connection_lost, is_database_unavailable,
-};
 pub use self::store::{
     Begun, BoxError, CommitError, Inserted, ListFilter, Purged, Store, StoreError,
 };

@@ -18,8 +18,10 @@
 mod kept;
 mod literal;
 mod outbox;
+mod sqlstate;
 mod store;
 mod transaction;
 
+pub use self::sqlstate::{is_connection_lost, is_database_unavailable};
 pub use self::store::{EVICTION_CHANNEL, PgStore};
 pub use self::transaction::PgTransaction;

@@ -2,7 +2,7 @@
 //! rows another relay is claiming (`FOR UPDATE SKIP LOCKED`).
 //!
 //! The statements only: the Rust that binds and maps them is shared by every store
-//! ([`idemkey_core::impl_outbox_store`]).
+//! ([`idemkey_sqlx::impl_outbox_store`]).
 
 use crate::PgStore;
 use crate::literal;
@@ -65,7 +65,7 @@ impl Sql {
 
 // Each statement goes as one simple-query message with its values written in
 // (`crate::literal`), as the store's own do.
-idemkey_core::impl_outbox_store!(
+idemkey_sqlx::impl_outbox_store!(
     PgStore,
     sqlx::postgres::PgConnection,
     Sql,

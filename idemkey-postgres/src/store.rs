@@ -1,12 +1,12 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
-    AuditEntry, AuditRow, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted,
-    ListFilter, Members, NewRecord, Purged, Record, RecordId, RecordRow, Store, StoreError,
-    StoredResponse, Timestamp, classify_error, is_connection_lost,
+    AuditEntry, Begun, CommitError, EvictionNotice, EvictionNotices, Inserted, ListFilter, Members,
+    NewRecord, Purged, Record, RecordId, Store, StoreError, StoredResponse, Timestamp,
 };
+use idemkey_sqlx::group::{self, Completion, GroupWriter, GroupedWrites};
+use idemkey_sqlx::{AuditRow, RecordRow};
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
@@ -14,6 +14,7 @@ use sqlx::{AssertSqlSafe, Connection, FromRow, Postgres, Row};
 
 use crate::kept::Kept;
 use crate::literal::{self, Array, Sql};
+use crate::sqlstate::is_connection_lost;
 use crate::transaction::{PgTransaction, abandon};
 
 /// An idempotency store in a PostgreSQL database.
@@ -21,7 +22,7 @@ use crate::transaction::{PgTransaction, abandon};
 pub struct PgStore {
     pool: PgPool,
     /// External mode's reservations and completions, committed in groups
-    /// (`idemkey_core::group`).
+    /// (`idemkey_sqlx::group`).
     grouped: GroupedWrites,
     /// Connections the store's own `COMMIT`s ended, kept for its next transactions without
     /// the pool's test on release (`crate::kept`).
@@ -49,8 +50,10 @@ impl PgStore {
         Self {
             kept: Kept::new(&pool),
             pool,
-            // Two groups of each kind at a time, each on a pooled connection: the side-by-side
-            // harness, bound by waiting rather than CPU, ran 11 % faster than with one.
+            // Two groups of each kind at a time, each on a pooled connection: the writes wait
+            // on round trips and commits rather than on CPU, so a second group in flight
+            // overlaps that wait (docs/decisions.md, "Concurrent external-mode writes are
+            // committed in groups").
             grouped: GroupedWrites::new(2),
             lock_wait: None,
             pooled: false,
@@ -353,15 +356,7 @@ async fn listen(pool: &PgPool, probe: &PgPool) -> Result<PgListener, NotListenin
     }
 }
 
-/// SQLSTATE 55P03 lock_not_available (lock_timeout), 40P01 deadlock_detected,
-/// 40001 serialization_failure.
-fn is_busy(code: &str) -> bool {
-    matches!(code, "55P03" | "40P01" | "40001")
-}
-
-pub(crate) fn error(e: sqlx::Error) -> StoreError {
-    classify_error(e, is_busy)
-}
+pub(crate) use crate::sqlstate::error;
 
 fn record(row: RecordRow) -> Result<Record, StoreError> {
     Record::try_from(row)
@@ -734,7 +729,7 @@ impl Store for PgStore {
     /// Concurrent reservations are committed in groups, one `INSERT` of up to 64 rows each,
     /// each answered once its group committed, as [`insert`](Store::insert) would have
     /// answered it alone (a key found taken is [`Inserted::Conflict`]); one that finds
-    /// nothing being written goes at once, alone. (`idemkey_core::group`,
+    /// nothing being written goes at once, alone. (`idemkey_sqlx::group`,
     /// `PgStore::insert_group`.)
     async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
         self.grouped.insert(self, record).await
@@ -742,7 +737,7 @@ impl Store for PgStore {
 
     /// Concurrent completions are committed in groups, one `UPDATE` of up to 64 rows each,
     /// each answered once its group committed, as [`complete`](Store::complete) would have
-    /// answered it alone. (`idemkey_core::group`, `PgStore::complete_group`.)
+    /// answered it alone. (`idemkey_sqlx::group`, `PgStore::complete_group`.)
     async fn complete_autocommit(
         &self,
         id: &RecordId,

@@ -5,7 +5,9 @@
 
 use std::ops::{Deref, DerefMut};
 
-use idemkey_core::{CommitError, StoreError, is_connection_lost};
+use idemkey_core::{CommitError, StoreError};
+
+use crate::sqlstate::is_connection_lost;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnection, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Executor, Postgres, SqlSafeStr};

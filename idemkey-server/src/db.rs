@@ -438,7 +438,7 @@ impl AppDb for PgStore {
         loop {
             match sqlx::query("SELECT 1").execute(self.pool()).await {
                 Ok(_) => return Ok(()),
-                Err(e) if attempt < attempts && idemkey_core::is_connection_lost(&e) => {
+                Err(e) if attempt < attempts && idemkey_postgres::is_connection_lost(&e) => {
                     attempt += 1;
                 }
                 Err(e) => return Err(e.into()),

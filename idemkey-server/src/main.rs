@@ -14,9 +14,9 @@ use tracing_subscriber::EnvFilter;
 
 const DEFAULT_WAIT: std::time::Duration = InFlightPolicy::DEFAULT_WAIT;
 
-// mimalloc rather than the system allocator: under load glibc's malloc spent ~12 % of the
-// server's CPU (consolidating and unlinking chunks); see docs/decisions.md, "mimalloc, and the
-// runtime's defaults".
+// mimalloc rather than the system allocator: under load glibc's malloc spent a large share
+// of the server's CPU consolidating and unlinking chunks; see docs/decisions.md, "mimalloc,
+// and the runtime's defaults".
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -205,7 +205,7 @@ fn unavailable(error: &anyhow::Error) -> Option<&'static str> {
                 Some("the database is out of resources")
             } else if code == "25006" {
                 Some("the database is read-only")
-            } else if idemkey_core::is_database_unavailable(e) {
+            } else if idemkey_postgres::is_database_unavailable(e) {
                 Some("the connection to the database was lost")
             } else {
                 None

@@ -350,7 +350,7 @@ fn database_unreachable(error: &anyhow::Error) -> bool {
                 | sqlx::Error::Tls(_)
                 | sqlx::Error::PoolTimedOut
                 | sqlx::Error::Protocol(_) => true,
-                sqlx::Error::Database(_) => idemkey_core::is_database_unavailable(e),
+                sqlx::Error::Database(_) => idemkey_postgres::is_database_unavailable(e),
                 _ => false,
             };
         }

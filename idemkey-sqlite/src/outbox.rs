@@ -1,7 +1,7 @@
 //! The outbox's SQL on SQLite. One writer at a time: one relay per database.
 //!
 //! The statements only: the Rust that binds and maps them is shared by every store
-//! ([`idemkey_core::impl_outbox_store`]).
+//! ([`idemkey_sqlx::impl_outbox_store`]).
 
 use crate::SqliteStore;
 use crate::store::error;
@@ -61,4 +61,4 @@ impl Sql {
         WHERE message_id = ?1 ORDER BY seq";
 }
 
-idemkey_core::impl_outbox_store!(SqliteStore, sqlx::sqlite::SqliteConnection, Sql, error);
+idemkey_sqlx::impl_outbox_store!(SqliteStore, sqlx::sqlite::SqliteConnection, Sql, error);

@@ -4,7 +4,8 @@
 use idemkey_core::outbox::{
     Message, MessageFilter, NewMessage, OutboxAuditEntry, OutboxStats, OutboxStore,
 };
-use idemkey_core::{MessageRow, OutboxAuditRow, StoreError, Timestamp};
+use idemkey_core::{StoreError, Timestamp};
+use idemkey_sqlx::{MessageRow, OutboxAuditRow};
 use rusqlite::{Connection, OptionalExtension, Row, params};
 
 use crate::RusqliteStore;

@@ -20,11 +20,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
-use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
-    AuditEntry, AuditRow, EvictionNotices, Inserted, ListFilter, Members, NewRecord, Purged,
-    Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
+    AuditEntry, EvictionNotices, Inserted, ListFilter, Members, NewRecord, Purged, Record,
+    RecordId, Store, StoreError, StoredResponse, Timestamp,
 };
+use idemkey_sqlx::group::{self, Completion, GroupWriter, GroupedWrites};
+use idemkey_sqlx::{AuditRow, RecordRow};
 use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
@@ -488,7 +489,7 @@ impl Store for RusqliteStore {
 
     /// Concurrent reservations are written in groups, in one transaction in one turn of the
     /// writer each, each answered once its group committed, as [`insert`](Store::insert)
-    /// would have answered it alone (`idemkey_core::group`).
+    /// would have answered it alone (`idemkey_sqlx::group`).
     async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
         self.shared.grouped.insert(self, record).await
     }

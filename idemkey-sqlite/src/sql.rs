@@ -69,7 +69,7 @@ pub(crate) const TRIM_EVICTIONS: &str = "DELETE FROM idemkey_evictions WHERE at 
 pub(crate) const NOTE_EVICTION: &str =
     "INSERT INTO idemkey_evictions (record_digest, at) VALUES (?1, ?2)";
 
-/// The completion, `?1`–`?8` bound by [`idemkey_core::bind_completion`]: alone in
+/// The completion, `?1`–`?8` bound by [`idemkey_sqlx::bind_completion`]: alone in
 /// [`complete`](Store::complete), with its guard and `COMMIT` in [`COMPLETE_AND_COMMIT`].
 macro_rules! complete_sql {
     () => {

@@ -3,12 +3,12 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemkey_core::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_core::{
-    AuditEntry, AuditRow, Begun, CommitError, EvictionNotices, Inserted, ListFilter, Members,
-    NewRecord, Purged, Record, RecordId, RecordRow, Store, StoreError, StoredResponse, Timestamp,
-    bind_completion, classify_error,
+    AuditEntry, Begun, CommitError, EvictionNotices, Inserted, ListFilter, Members, NewRecord,
+    Purged, Record, RecordId, Store, StoreError, StoredResponse, Timestamp,
 };
+use idemkey_sqlx::group::{self, Completion, GroupWriter, GroupedWrites};
+use idemkey_sqlx::{AuditRow, Code, RecordRow, bind_completion, classify_error};
 use sqlx::Sqlite;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::sqlite::{
@@ -23,7 +23,8 @@ use crate::writer::{SqlitePooledConnection, SqliteTransaction, Writer};
 
 /// External mode's grouped writes: one group of each kind at a time. The writer takes them
 /// in turns anyway, and a second group only splits the waiting writes (the gateway's fresh
-/// requests were 8–21 % slower with two, in both benchmarks).
+/// requests were slower with two: docs/decisions.md, "Concurrent external-mode writes are
+/// committed in groups").
 pub(crate) const GROUP_WRITERS: usize = 1;
 
 /// An idempotency store in a SQLite database.
@@ -36,7 +37,7 @@ pub struct SqliteStore {
     pool: SqlitePool,
     writer: Arc<Writer>,
     /// External mode's reservations and completions, written in groups, each group in one
-    /// turn of the writer (`idemkey_core::group`).
+    /// turn of the writer (`idemkey_sqlx::group`).
     grouped: GroupedWrites,
 }
 
@@ -114,9 +115,14 @@ impl SqliteStore {
     }
 }
 
-/// SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes.
-fn is_busy(code: &str) -> bool {
-    code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6))
+/// What a SQLite result code says: SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their
+/// extended codes, are busy. SQLite has no code for a lost connection (there is none to
+/// lose: an I/O error is SQLITE_IOERR, a refused statement).
+fn result_code(code: &str) -> Code {
+    match code.parse::<i32>() {
+        Ok(c) if matches!(c & 0xff, 5 | 6) => Code::Busy,
+        _ => Code::Other,
+    }
 }
 
 impl Evictions for SqlitePool {
@@ -137,7 +143,7 @@ impl Evictions for SqlitePool {
 }
 
 pub(crate) fn error(e: sqlx::Error) -> StoreError {
-    classify_error(e, is_busy)
+    classify_error(e, result_code)
 }
 
 fn record(row: RecordRow) -> Result<Record, StoreError> {
@@ -275,22 +281,27 @@ BEGIN"
 /// The statements of [`COMPLETE_AND_COMMIT`] before its `COMMIT`.
 const BEFORE_COMMIT: usize = 3;
 
-/// SQLITE_CONSTRAINT_CHECK, and the name of the guard's constraint in its message.
-const FENCED: (&str, &str) = ("275", "idemkey_fenced");
+/// Where the completion and its guard are among the statements of [`COMPLETE_AND_COMMIT`].
+const COMPLETION: usize = 1;
+const GUARD: usize = 2;
 
-fn is_fenced(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => {
-            db.code().as_deref() == Some(FENCED.0) && db.message().contains(FENCED.1)
-        }
-        _ => false,
-    }
+/// SQLITE_CONSTRAINT_CHECK, what the guard's refusal is.
+const CONSTRAINT_CHECK: &str = "275";
+
+/// Whether [`COMPLETE_AND_COMMIT`] was stopped by its guard, from the rows each statement
+/// that completed changed (`changed`) and the error that stopped it: the completion ran and
+/// changed no row, and the next statement, the guard, failed its check. Told by the
+/// completion's own count and the error's code, never by a message.
+fn is_fenced(changed: &[u64], e: &sqlx::Error) -> bool {
+    changed.len() == GUARD
+        && changed[COMPLETION] == 0
+        && matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(CONSTRAINT_CHECK))
 }
 
 /// `values` rows of `width` parameters each: `(?, ?), (?, ?)` for 2 and 2, bound in order.
 /// Anonymous: sqlx asks SQLite the name of every parameter it binds, and SQLite finds a
 /// numbered one by walking the statement's list of names, which a group's hundreds of
-/// `?NNN` made quadratic (2.9 % of the gateway's CPU in a profile).
+/// `?NNN` made quadratic in the group's size.
 fn value_rows(values: usize, width: usize) -> String {
     let row = format!("({})", vec!["?"; width].join(", "));
     vec![row; values].join(", ")
@@ -482,12 +493,12 @@ impl Store for SqliteStore {
         now: Timestamp,
     ) -> Result<(), CommitError> {
         let batch = bind_completion(sqlx::query(COMPLETE_AND_COMMIT), id, token, response, now);
-        let Err((completed, e)) = tx.commit_batch(batch, BEFORE_COMMIT, is_fenced).await else {
+        let Err((changed, e)) = tx.commit_batch(batch, BEFORE_COMMIT, is_fenced).await else {
             return Ok(());
         };
-        Err(match completed {
-            // The guard, or a statement before it, refused: the `COMMIT` did not run.
-            _ if is_fenced(&e) => CommitError::Fenced,
+        Err(match changed.len() {
+            // The completion matched no row, and the guard refused: the `COMMIT` did not run.
+            _ if is_fenced(&changed, &e) => CommitError::Fenced,
             n if n < BEFORE_COMMIT && matches!(e, sqlx::Error::Database(_)) => {
                 CommitError::NotCommitted(error(e))
             }
@@ -514,7 +525,7 @@ impl Store for SqliteStore {
     /// Concurrent reservations are written in groups, one multi-row `INSERT` in one turn of
     /// the writer each, each answered once its group committed, as [`insert`](Store::insert)
     /// would have answered it alone (a key found taken is [`Inserted::Conflict`]); one that
-    /// finds nothing being written goes at once, alone. (`idemkey_core::group`,
+    /// finds nothing being written goes at once, alone. (`idemkey_sqlx::group`,
     /// `SqliteStore::insert_group`.)
     async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
         self.grouped.insert(self, record).await
@@ -522,7 +533,7 @@ impl Store for SqliteStore {
 
     /// Concurrent completions are written in groups, one `UPDATE` in one turn of the writer
     /// each, each answered once its group committed, as [`complete`](Store::complete) would
-    /// have answered it alone. (`idemkey_core::group`, `SqliteStore::complete_group`.)
+    /// have answered it alone. (`idemkey_sqlx::group`, `SqliteStore::complete_group`.)
     async fn complete_autocommit(
         &self,
         id: &RecordId,

@@ -10,7 +10,7 @@
 //! lease's writes) take the same turn, on the same connection
 //! ([`acquire_for_write`](idemkey_core::Store::acquire_for_write)); reservations and
 //! completions that arrive together share one turn and one statement
-//! (`idemkey_core::group`). SQLite's busy handler is
+//! (`idemkey_sqlx::group`). SQLite's busy handler is
 //! left with the writers this queue does not see (the application's autocommit statements
 //! on [`acquire`](idemkey_core::Store::acquire)d connections, other processes).
 //!
@@ -284,31 +284,31 @@ impl SqliteTransaction {
     /// as sqlx counts it, which dropping `self` then rolls back (queued behind the batch on
     /// the connection, not waited for).
     ///
-    /// On an error, returns it with the number of the batch's statements that completed
-    /// before it. When it is the first `commit_at` statements that failed
-    /// (`completed < commit_at`), nothing was committed and, if `keep(&error)`, the
-    /// transaction is still open, as sqlx counts it: dropping `self` rolls it back. On any
-    /// other error the connection is not used again.
+    /// On an error, returns it with the rows each of the batch's statements that completed
+    /// before it changed, one count per statement. When it is the first `commit_at`
+    /// statements that failed (fewer counts than `commit_at`), nothing was committed and, if
+    /// `keep(&counts, &error)`, the transaction is still open, as sqlx counts it: dropping
+    /// `self` rolls it back. On any other error the connection is not used again.
     pub(crate) async fn commit_batch(
         mut self,
         batch: Query<'_, Sqlite, SqliteArguments>,
         commit_at: usize,
-        keep: impl Fn(&sqlx::Error) -> bool,
-    ) -> Result<(), (usize, sqlx::Error)> {
+        keep: impl Fn(&[u64], &sqlx::Error) -> bool,
+    ) -> Result<(), (Vec<u64>, sqlx::Error)> {
         self.state = State::Unknown;
-        let mut completed = 0;
+        let mut changed = Vec::new();
         let conn: &mut SqliteConnection = &mut self;
         let mut results = conn.fetch_many(batch);
         while let Some(result) = results.next().await {
             match result {
-                Ok(Either::Left(_)) => completed += 1,
+                Ok(Either::Left(done)) => changed.push(done.rows_affected()),
                 Ok(Either::Right(_)) => {}
                 Err(e) => {
                     drop(results);
-                    if completed < commit_at && keep(&e) {
+                    if changed.len() < commit_at && keep(&changed, &e) {
                         self.state = State::Open;
                     }
-                    return Err((completed, e));
+                    return Err((changed, e));
                 }
             }
         }

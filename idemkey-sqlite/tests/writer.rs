@@ -287,8 +287,8 @@ async fn external_writes_queue_with_transactions() {
 /// of the same keys finds them taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_of_reservations_answers_each_writer() {
-    use idemkey_core::group::GroupWriter;
     use idemkey_core::{Inserted, NewRecord, RecordState};
+    use idemkey_sqlx::group::GroupWriter;
     use sqlx::Connection;
 
     let (dir, store) = store_with_busy_timeout(Duration::from_millis(50)).await;

@@ -76,7 +76,7 @@ impl NatsServer {
             };
             match server.launch() {
                 Ok(()) => return server,
-                Err(message) if port_taken(&message) => failures.push(message),
+                Err(message) if port_taken(server.port) => failures.push(message),
                 Err(message) => panic!("{message}"),
             }
         }
@@ -245,9 +245,14 @@ impl Process {
     }
 }
 
-/// Whether a start failed because a port was taken in the meantime.
-pub(crate) fn port_taken(failure: &str) -> bool {
-    failure.contains("address already in use")
+/// Whether another process holds `port` on 127.0.0.1 (a listener cannot bind it), asked once
+/// a start failed and its server is stopped: whether the port was taken in the meantime.
+/// Told by the bind's error kind, not by the server's log.
+pub(crate) fn port_taken(port: u16) -> bool {
+    matches!(
+        TcpListener::bind(("127.0.0.1", port)),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse
+    )
 }
 
 /// A fresh temporary directory named `prefix…`.

@@ -78,7 +78,15 @@ impl NatsCluster {
                 .collect();
             match cluster.launch_all() {
                 Ok(()) => return cluster,
-                Err(message) if port_taken(&message) => failures.push(message),
+                Err(message)
+                    if cluster.nodes.iter().any(|n| {
+                        [n.port, n.route_port, n.http_port]
+                            .into_iter()
+                            .any(port_taken)
+                    }) =>
+                {
+                    failures.push(message)
+                }
                 Err(message) => panic!("{message}"),
             }
         }

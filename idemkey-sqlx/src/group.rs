@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use futures::FutureExt;
 use tokio::sync::oneshot;
 
-use crate::{Inserted, NewRecord, RecordId, Store, StoreError, StoredResponse, Timestamp};
+use idemkey_core::{Inserted, NewRecord, RecordId, Store, StoreError, StoredResponse, Timestamp};
 
 /// At most this many writes go in one statement.
 pub const MAX_GROUP: usize = 64;
@@ -56,7 +56,10 @@ pub trait GroupWriter: Store {
         &self,
         record: &NewRecord,
     ) -> impl Future<Output = Result<Inserted, StoreError>> + Send {
-        crate::store::insert_alone(self, record)
+        async move {
+            let mut conn = self.acquire_for_write().await?;
+            self.insert(&mut conn, record).await
+        }
     }
 
     /// One completion, alone: [`Store::complete`] in the writer's turn, what
@@ -65,7 +68,11 @@ pub trait GroupWriter: Store {
         &self,
         c: &Completion,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        crate::store::complete_alone(self, &c.id, c.token, &c.response, c.now)
+        async move {
+            let mut conn = self.acquire_for_write().await?;
+            self.complete(&mut conn, &c.id, c.token, &c.response, c.now)
+                .await
+        }
     }
 
     /// Reservations, each as [`Store::insert`] alone would answer it, except that a key

@@ -1,0 +1,27 @@
+//! # idemkey-sqlx
+//!
+//! What idemkey's sqlx-based stores (`idemkey-sqlite`, `idemkey-postgres`) share, kept out
+//! of `idemkey-core` so that the core carries no database driver and no runtime:
+//!
+//! - [`RecordRow`], [`AuditRow`], [`MessageRow`], [`OutboxAuditRow`]: the tables' rows, and
+//!   their conversion to the core's types; [`bind_completion`]: a completion's binds;
+//! - [`classify_error`], [`is_connection_lost`]: sqlx errors as
+//!   [`StoreError`](idemkey_core::StoreError)s, by kind and by the [`Code`] a store's
+//!   dialect reads from the database's error code;
+//! - [`group`]: group commit of external-mode writes;
+//! - [`impl_outbox_store!`]: the outbox's Rust, around a store's own SQL.
+
+mod error;
+pub mod group;
+mod outbox;
+mod rows;
+
+pub use self::error::{Code, classify_error, is_connection_lost};
+pub use self::rows::{AuditRow, MessageRow, OutboxAuditRow, RecordRow, bind_completion};
+
+/// What [`impl_outbox_store!`] names in the store's crate.
+#[doc(hidden)]
+pub mod __private {
+    pub use idemkey_core::{StoreError, Timestamp, outbox};
+    pub use sqlx;
+}
