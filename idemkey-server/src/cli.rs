@@ -435,6 +435,11 @@ pub fn parse_interval(s: &str) -> Result<Duration, String> {
     duration_in(s, Duration::from_millis(10)..=MAX_INTERVAL, "an interval")
 }
 
+/// Parses how far clocks may disagree (`--first-sent-skew`): from 0 to a day.
+pub fn parse_skew(s: &str) -> Result<Duration, String> {
+    duration_in(s, Duration::ZERO..=MAX_TIMEOUT, "a clock skew")
+}
+
 /// Parses the gateway's `--lease`: from 300 ms (it is renewed every third of it) to a day.
 pub fn parse_lease(s: &str) -> Result<Duration, String> {
     duration_in(s, Duration::from_millis(300)..=MAX_TIMEOUT, "a lease")
@@ -665,7 +670,7 @@ pub struct FirstSentArgs {
     /// How far client and server clocks may disagree: a first-sent time further ahead is
     /// refused (400), and up to this much (at most a quarter of --retention) is taken off the
     /// retention before a first attempt counts as too old.
-    #[arg(long = "first-sent-skew", default_value = "5m", value_parser = humantime::parse_duration)]
+    #[arg(long = "first-sent-skew", default_value = "5m", value_parser = parse_skew)]
     pub skew: Duration,
 }
 
@@ -829,7 +834,7 @@ mod tests {
     type Parser = fn(&str) -> Result<Duration, String>;
 
     /// Every kind of duration flag, with the range it accepts.
-    fn kinds() -> [(Parser, RangeInclusive<Duration>); 6] {
+    fn kinds() -> [(Parser, RangeInclusive<Duration>); 7] {
         [
             (parse_retention, Duration::from_secs(1)..=MAX_RETENTION),
             (parse_age, Duration::ZERO..=MAX_RETENTION),
@@ -837,6 +842,7 @@ mod tests {
             (parse_idle_timeout, Duration::ZERO..=MAX_TIMEOUT),
             (parse_interval, Duration::from_millis(10)..=MAX_INTERVAL),
             (parse_lease, Duration::from_millis(300)..=MAX_TIMEOUT),
+            (parse_skew, Duration::ZERO..=MAX_TIMEOUT),
         ]
     }
 
