@@ -259,6 +259,7 @@ where
         let db = loop {
             match start(&connect, &options).await {
                 Ok(started) => break started,
+                Err(e) if start_up_refused(&e) => return Err(e.context(START_UP_REFUSED)),
                 Err(e) if database_unreachable(&e) => {
                     if !announced {
                         listening();
@@ -337,6 +338,25 @@ where
     )
     .await?;
     Ok((db, secrets))
+}
+
+/// What a server that refuses the connection's start-up message is told: a pooler that
+/// refuses the startup parameter `options` (PgBouncer does, for the `lock_timeout` idemkey
+/// sets) is a pooler the URL does not name.
+const START_UP_REFUSED: &str = "the database refused the connection's start-up message \
+     (SQLSTATE 08P01); a pooler in transaction mode (PgBouncer) needs \
+     ?idemkey-pooler=transaction in the database URL";
+
+/// Whether `error` is the server refusing the connection's start-up message (SQLSTATE 08P01
+/// protocol_violation, as PgBouncer answers an unsupported startup parameter): the server
+/// answered, so waiting does not help. Classified by SQLSTATE.
+fn start_up_refused(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<sqlx::Error>(),
+            Some(sqlx::Error::Database(db)) if db.code().is_some_and(|code| code == "08P01")
+        )
+    })
 }
 
 /// Whether `error` says the database could not be reached (refused or lost connection, pool

@@ -37,3 +37,34 @@ async fn migrate_runs_again_and_again() {
     }
     backend.snapshot().await.assert_consistent(0);
 }
+
+/// `idemkey serve` given the pooler's URL without `?idemkey-pooler=transaction`: PgBouncer
+/// refuses the startup parameter idemkey then sends, and the server stops at once, saying
+/// what the URL lacks, instead of answering 503 while it waits for a database that answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_refuses_a_pooler_the_url_does_not_name() {
+    let backend = common::Backend::postgres_through_pgbouncer().await;
+    let url = backend
+        .url()
+        .replace("?idemkey-pooler=transaction", "")
+        .replace("&idemkey-pooler=transaction", "");
+    assert_ne!(url, backend.url(), "the test URL names the pooler");
+    let serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemkey"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--database-url", &url])
+        .args(["--api-key", "t1=tok1"])
+        .env(
+            "IDEMKEY_KEY_SECRET",
+            "a test secret, apart from the database",
+        )
+        .env_remove("IDEMKEY_DATABASE_URL")
+        .kill_on_drop(true)
+        .output();
+    // A bound on the wait for the process, not a timing of it: before the fix it never ended.
+    let output = tokio::time::timeout(std::time::Duration::from_secs(60), serve)
+        .await
+        .expect("serve stops instead of waiting")
+        .expect("run idemkey serve");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("?idemkey-pooler=transaction"), "{stderr}");
+}
