@@ -55,7 +55,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 database_url: args.db.database_url.clone(),
                 secret: args.secret.clone(),
                 key_secret_in_database: args.key_secret_in_database,
-                simulate_latency: std::time::Duration::from_millis(args.simulate_latency),
+                simulate_latency: args.simulate_latency(),
                 retention: args.retention,
                 in_flight: match args.in_flight {
                     InFlight::Wait => InFlightPolicy::Wait(args.wait_timeout),
@@ -258,9 +258,7 @@ fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
         key_secret_in_database: args.key_secret_in_database,
         reconcile_url: args.reconcile_url.clone(),
         reconcile_interval: args.reconcile_interval,
-        simulate_delay_before_forward: std::time::Duration::from_millis(
-            args.simulate_delay_before_forward,
-        ),
+        simulate_delay_before_forward: args.simulate_delay_before_forward(),
         purge_interval: args.purge_interval,
         limits: args.limits.limits(),
     })
