@@ -21,6 +21,8 @@
 //!   stores.
 //!
 //! - [`Clock`]: where the current time comes from.
+//! - `hop` (feature `http`): the hop-by-hop headers a proxy must not forward, for the
+//!   gateway and the fault proxy.
 //!
 //! No I/O happens here; the stores (`idemkey-sqlite`, `idemkey-postgres`) speak SQL.
 
@@ -30,6 +32,8 @@ mod fingerprint;
 mod first_sent;
 #[cfg(feature = "sqlx")]
 pub mod group;
+#[cfg(feature = "http")]
+pub mod hop;
 mod jcs;
 mod key;
 pub mod outbox;

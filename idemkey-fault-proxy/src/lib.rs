@@ -9,8 +9,6 @@
 //!   with the same key are safe.
 //! - [`accept_loop`]: the accept loop of a proxy on loopback, which [`FaultProxy`] and
 //!   `idemkey-testkit`'s PostgreSQL fault proxy run.
-//! - [`strip_hop_by_hop`]: removes the headers a proxy must not forward; the gateway and
-//!   [`FaultProxy`] both use it.
 //!
 //! ```
 //! use idemkey_fault_proxy::{FaultConfig, FaultProxy};
@@ -34,10 +32,8 @@
 //! which runs the demo, does not link the test kit; what only tests use (the PostgreSQL
 //! fault proxy) is in the test kit.
 
-mod hop;
 mod listen;
 mod proxy;
 
-pub use self::hop::strip_hop_by_hop;
 pub use self::listen::accept_loop;
 pub use self::proxy::{FaultConfig, FaultProxy, ProxyStats};
