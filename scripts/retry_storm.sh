@@ -7,13 +7,14 @@
 #
 #   scripts/retry_storm.sh [LATENCY_MS] [DUPLICATES]
 #
-# BIN=path/to/idemkey uses that build instead of building this one in release mode.
+# BIN=path/to/idemkey uses that build instead of building this one in release mode; it needs
+# the `simulate` feature (as `cargo test` builds it) for --simulate-latency.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LATENCY=${1:-4000}
 DUPLICATES=${2:-150}
 if [ -z "${BIN:-}" ]; then
-  cargo build --release -q -p idemkey-server
+  cargo build --release -q -p idemkey-server --features simulate
   BIN=$PWD/target/release/idemkey
 fi
 # shellcheck source=lib/work.sh

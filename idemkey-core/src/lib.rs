@@ -19,6 +19,8 @@
 //! - [`outbox`]: the SQL primitives of the transactional outbox ([`outbox::OutboxStore`]).
 //!
 //! - [`Clock`]: where the current time comes from.
+//! - `hop` (feature `http`): the hop-by-hop headers a proxy must not forward, for the
+//!   gateway and the fault proxy.
 //!
 //! No I/O happens here, and no runtime is needed: the stores (`idemkey-sqlite`,
 //! `idemkey-postgres`) speak SQL, and what the sqlx ones share lives in `idemkey-sqlx`.
@@ -27,6 +29,8 @@ mod decision;
 mod eviction;
 mod fingerprint;
 mod first_sent;
+#[cfg(feature = "http")]
+pub mod hop;
 mod jcs;
 mod key;
 pub mod outbox;

@@ -7,12 +7,8 @@
 //!   and adds latency as its [`FaultConfig`] says, counting what it did ([`ProxyStats`]);
 //!   the demo puts it in front of the payments API, and tests use it to show that retries
 //!   with the same key are safe.
-//! - [`PgFaultProxy`]: a TCP proxy in front of a PostgreSQL server that cuts a connection
-//!   right around a `COMMIT` ([`CommitCut`]), so the client cannot know whether its
-//!   transaction committed, or cuts every connection at once; tests use it to show that a
-//!   retry with the same key settles such an unknown commit exactly once.
-//! - [`strip_hop_by_hop`]: removes the headers a proxy must not forward; the gateway and
-//!   [`FaultProxy`] both use it.
+//! - [`accept_loop`]: the accept loop of a proxy on loopback, which [`FaultProxy`] and
+//!   `idemkey-testkit`'s PostgreSQL fault proxy run.
 //!
 //! ```
 //! use idemkey_fault_proxy::{FaultConfig, FaultProxy};
@@ -33,13 +29,11 @@
 //! ```
 //!
 //! It is a crate of its own, not part of `idemkey-testkit`, so that the release binary,
-//! which runs the demo, does not link the test kit.
+//! which runs the demo, does not link the test kit; what only tests use (the PostgreSQL
+//! fault proxy) is in the test kit.
 
-mod hop;
 mod listen;
-mod pg;
 mod proxy;
 
-pub use self::hop::strip_hop_by_hop;
-pub use self::pg::{CommitCut, PgFaultProxy, PgProxyStats};
+pub use self::listen::accept_loop;
 pub use self::proxy::{FaultConfig, FaultProxy, ProxyStats};

@@ -1,4 +1,4 @@
-//! The accept loop both proxies run.
+//! The accept loop every proxy runs.
 
 use std::future::Future;
 use std::time::Duration;
@@ -8,7 +8,7 @@ use tokio::task::JoinSet;
 
 /// Accepts connections on `listener` for ever, running `serve` on each in a task of a set
 /// this loop owns: aborting the loop's task closes the listener and aborts every connection.
-pub(crate) async fn accept_loop<F, Fut>(listener: TcpListener, serve: F)
+pub async fn accept_loop<F, Fut>(listener: TcpListener, serve: F)
 where
     F: Fn(TcpStream) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,

@@ -21,8 +21,9 @@ use rand::{Rng, SeedableRng};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
+use idemkey_core::hop::strip_hop_by_hop;
+
 use crate::listen::accept_loop;
-use crate::strip_hop_by_hop;
 
 /// Which faults a [`FaultProxy`] injects, and how often.
 ///

@@ -328,6 +328,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub key_secret_in_database: bool,
     /// Milliseconds the payment handler waits inside its transaction.
+    #[cfg(feature = "simulate")]
     #[arg(long, value_name = "MS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(..=60_000))]
     pub simulate_latency: u64,
     /// How long outcomes are kept and replayed (e.g. 24h, 90m).
@@ -357,6 +358,15 @@ impl ServeArgs {
     /// Every configured API key, from the flags and the environment.
     pub fn all_api_keys(&self) -> Result<ApiKeys, String> {
         all_api_keys(&self.api_keys, self.api_keys_env.as_ref())
+    }
+
+    /// How long the payment handler waits inside its transaction: `--simulate-latency`, which
+    /// only a build with the `simulate` feature has; zero otherwise.
+    pub fn simulate_latency(&self) -> Duration {
+        #[cfg(feature = "simulate")]
+        return Duration::from_millis(self.simulate_latency);
+        #[cfg(not(feature = "simulate"))]
+        Duration::ZERO
     }
 }
 
@@ -633,6 +643,7 @@ pub struct GatewayArgs {
     #[arg(long, default_value = "60s", value_parser = parse_interval)]
     pub purge_interval: Duration,
     /// Tests and demos: milliseconds to wait after the reservation, before connecting.
+    #[cfg(feature = "simulate")]
     #[arg(long, value_name = "MS", default_value_t = 0, hide = true, value_parser = clap::value_parser!(u64).range(..=60_000))]
     pub simulate_delay_before_forward: u64,
     /// Timeouts and the connection limit of the HTTP server.
@@ -656,6 +667,16 @@ impl GatewayArgs {
             self.tenant_header.as_deref(),
             self.single_tenant.as_deref(),
         )
+    }
+
+    /// How long to wait after the reservation, before connecting:
+    /// `--simulate-delay-before-forward`, which only a build with the `simulate` feature has;
+    /// zero otherwise.
+    pub fn simulate_delay_before_forward(&self) -> Duration {
+        #[cfg(feature = "simulate")]
+        return Duration::from_millis(self.simulate_delay_before_forward);
+        #[cfg(not(feature = "simulate"))]
+        Duration::ZERO
     }
 }
 

@@ -1,15 +1,13 @@
 //! `idemkey`: parses the command line, wires the parts, reports errors.
 
 use clap::Parser;
-use idemkey_server::cli::{
-    Cli, Command, GatewayArgs, InFlight, KeysCommand, OutboxCommand, PointOfNoReturn,
-};
-use idemkey_server::gateway::{GatewayOptions, RouteRule, Upstream};
+use idemkey_server::cli::{Cli, Command, InFlight, KeysCommand, OutboxCommand};
+use idemkey_server::gateway::GatewayOptions;
 use idemkey_server::secret::{check_before_start, check_given};
 use idemkey_server::{
     Database, ServeOptions, connect, keys, open_existing, serve, serve_with, with_store,
 };
-use idemkey_tower::{InFlightPolicy, KeyRequirement};
+use idemkey_tower::InFlightPolicy;
 use tracing_subscriber::EnvFilter;
 
 const DEFAULT_WAIT: std::time::Duration = InFlightPolicy::DEFAULT_WAIT;
@@ -56,7 +54,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 database_url: args.db.database_url.clone(),
                 secret: args.secret.clone(),
                 key_secret_in_database: args.key_secret_in_database,
-                simulate_latency: std::time::Duration::from_millis(args.simulate_latency),
+                simulate_latency: args.simulate_latency(),
                 retention: args.retention,
                 in_flight: match args.in_flight {
                     InFlight::Wait => InFlightPolicy::Wait(args.wait_timeout),
@@ -103,7 +101,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 &args.secret,
                 args.key_secret_in_database,
             )?;
-            let options = gateway_options(&args)?;
+            let options = GatewayOptions::from_args(&args)?;
             let db = connect(
                 &args.database_url,
                 args.max_connections,
@@ -208,61 +206,4 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             with_store!(db, store => keys::run(store, &url, command, &mut out).await)
         }
     }
-}
-
-fn gateway_options(args: &GatewayArgs) -> anyhow::Result<GatewayOptions> {
-    let mut routes = Vec::new();
-    let required: Vec<&str> = if args.routes.is_empty() && args.optional_routes.is_empty() {
-        vec!["POST *"]
-    } else {
-        args.routes.iter().map(String::as_str).collect()
-    };
-    for spec in required {
-        routes.push(
-            RouteRule::parse(spec, KeyRequirement::Required, &args.answers)
-                .map_err(anyhow::Error::msg)?,
-        );
-    }
-    for spec in &args.optional_routes {
-        routes.push(
-            RouteRule::parse(spec, KeyRequirement::Optional, &args.answers)
-                .map_err(anyhow::Error::msg)?,
-        );
-    }
-    if let Some(template) = &args.reconcile_url
-        && !template.contains("{key}")
-    {
-        anyhow::bail!(
-            "--reconcile-url must contain {{key}}, e.g. http://svc/v1/transfers?idempotency_key={{key}}"
-        );
-    }
-    Ok(GatewayOptions {
-        listen: args.listen,
-        upstream: Upstream::parse(&args.upstream).map_err(anyhow::Error::msg)?,
-        routes,
-        in_flight: match args.in_flight {
-            InFlight::Wait => InFlightPolicy::Wait(args.wait_timeout),
-            InFlight::Reject => InFlightPolicy::Reject,
-        },
-        lease: args.lease,
-        mark_at_reservation: args.point_of_no_return == PointOfNoReturn::WithReservation,
-        connect_timeout: args.connect_timeout,
-        upstream_idle_timeout: args.upstream_idle_timeout,
-        upstream_timeout: args.upstream_timeout,
-        max_request_body: args.max_request_body,
-        max_stored_response: args.max_stored_response,
-        retention: args.retention,
-        tenants: args.tenant_source().map_err(anyhow::Error::msg)?,
-        first_sent: args.first_sent.policy(),
-        database_url: args.database_url.clone(),
-        secret: args.secret.clone(),
-        key_secret_in_database: args.key_secret_in_database,
-        reconcile_url: args.reconcile_url.clone(),
-        reconcile_interval: args.reconcile_interval,
-        simulate_delay_before_forward: std::time::Duration::from_millis(
-            args.simulate_delay_before_forward,
-        ),
-        purge_interval: args.purge_interval,
-        limits: args.limits.limits(),
-    })
 }

@@ -12,7 +12,7 @@
 //! figures (`scripts/chaos.sh` runs the longer variants and collects them).
 //!
 //! The restart scenarios run on a PostgreSQL server of their own (`common::cluster`); the
-//! COMMIT scenario puts `idemkey_fault_proxy::PgFaultProxy` between `serve` and the shared
+//! COMMIT scenario puts `idemkey_testkit::PgFaultProxy` between `serve` and the shared
 //! test server.
 
 mod common;
@@ -25,7 +25,7 @@ use common::cluster::PgCluster;
 use common::load::{self, Audit, Progress};
 use common::{Backend, TOKEN1};
 use idemkey_client::Operation;
-use idemkey_fault_proxy::{CommitCut, PgFaultProxy};
+use idemkey_testkit::{CommitCut, PgFaultProxy};
 
 /// How long a condition on an external process may take to show.
 const DEADLINE: Duration = Duration::from_secs(60);

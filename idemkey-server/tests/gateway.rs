@@ -1,5 +1,6 @@
 //! End-to-end tests of `idemkey gateway`: gateway processes (children of the `idemkey`
-//! binary) in front of a real HTTP upstream that counts its effects.
+//! binary; one test runs the gateway's `app` in process) in front of a real HTTP upstream
+//! that counts its effects.
 //!
 //! The upstream is an axum server on 127.0.0.1:0 running in its own thread and runtime, so
 //! it keeps serving while a test's own runtime waits. It counts one effect per request, per
@@ -29,7 +30,13 @@ use futures::future::join_all;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 
+use clap::Parser;
 use common::gateway::{Gateway, serve_on_own_thread};
+use idemkey_server::cli::{Cli, Command};
+use idemkey_server::gateway::GatewayOptions;
+use idemkey_server::{AppDb, KeySecrets};
+use idemkey_sqlite::SqliteStore;
+use idemkey_tower::Metrics;
 
 const TOKEN: &str = "tok1";
 const TENANT: &str = "t1";
@@ -354,6 +361,34 @@ impl Db {
     async fn gateway_behind_proxy(&self, upstream: &str, extra: &[&str]) -> Gateway {
         let flags = [&["--tenant-header", TENANT_HEADER][..], extra].concat();
         Gateway::start_with(&self.url, upstream, self.dir.path(), &flags).await
+    }
+
+    /// The gateway in this process (its [`app`](idemkey_server::gateway::app), not the
+    /// binary) on this SQLite database in front of `upstream`, with tenant `t1` and `extra`
+    /// flags, served on loopback; answers its base URL.
+    async fn gateway_in_process(&self, upstream: &str, extra: &[&str]) -> String {
+        let tenant = format!("{TENANT}={TOKEN}");
+        let line = [
+            &["idemkey", "gateway", "--database-url", &self.url][..],
+            &["--upstream", upstream, "--api-key", &tenant],
+            extra,
+        ]
+        .concat();
+        let cli = Cli::try_parse_from(line).expect("a gateway command line");
+        let Command::Gateway(args) = cli.command else {
+            panic!("not a gateway command line");
+        };
+        let options = GatewayOptions::from_args(&args).expect("gateway options");
+        let db = SqliteStore::connect(&self.url).await.expect("SQLite");
+        db.migrate_all().await.expect("migrations");
+        let secrets = KeySecrets::new(&b"in-process gateway test secret, 32 bytes"[..], None);
+        let app = idemkey_server::gateway::app(db, &secrets, Metrics::new(), &options);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the gateway");
+        let base = format!("http://{}", listener.local_addr().expect("address"));
+        tokio::spawn(async move { axum::serve(listener, app).await.expect("gateway") });
+        base
     }
 
     /// Runs `idemkey keys …` on this database; returns (success, stdout, stderr).
@@ -1022,17 +1057,18 @@ async fn stale_owner_cannot_overwrite_the_newer_outcome() {
 }
 
 /// Requests that are not keyed pass through untouched; keyed routes refuse a missing key.
+/// The gateway runs in this process (its `app`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unkeyed_requests_pass_through() {
     let upstream = Upstream::start();
     let db = Db::sqlite();
-    let gw = db
-        .gateway(
+    let base = db
+        .gateway_in_process(
             &upstream.base,
             &["--route", "POST /v1/*", "--optional-route", "PUT /v1/*"],
         )
         .await;
-    let c = client_of(&gw);
+    let c = Client::new(&base);
     let got = c.get("/v1/anything?x=1").await;
     assert_eq!(got.status, 200);
     assert_eq!(got.text(), "upstream saw GET /v1/anything");

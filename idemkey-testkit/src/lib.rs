@@ -10,18 +10,24 @@
 //!   `nats-server`, that a test can stop and start again on the same port and store;
 //! - a throwaway three-node JetStream cluster ([`NatsCluster`]), whose nodes a test can kill
 //!   and start again one by one;
+//! - [`PgFaultProxy`]: a TCP proxy in front of a PostgreSQL server that cuts a connection
+//!   right around a `COMMIT` ([`CommitCut`]), so the client cannot know whether its
+//!   transaction committed, or cuts every connection at once; tests use it to show that a
+//!   retry with the same key settles such an unknown commit exactly once;
 //! - [`FaultProxy`], re-exported from `idemkey-fault-proxy` (where it lives so that the
 //!   `idemkey demo` command can use it without the release binary linking this crate).
 
 pub mod conformance;
 mod nats;
 mod nats_cluster;
+mod pg_fault;
 mod pgbouncer;
 mod postgres;
 
 pub use self::conformance::Harness;
 pub use self::nats::{NATS_SERVER_ENV, NatsServer, Stop, nats_server_binary};
 pub use self::nats_cluster::{CLUSTER_SIZE, NatsCluster};
+pub use self::pg_fault::{CommitCut, PgFaultProxy, PgProxyStats};
 pub use self::pgbouncer::{PGBOUNCER_ENV, PgBouncer, pgbouncer_binary, pgbouncer_url};
 pub use self::postgres::*;
 pub use idemkey_fault_proxy::{FaultConfig, FaultProxy, ProxyStats};

@@ -27,10 +27,10 @@ use http::{Method, header};
 use idemkey_core::{AnswerRule, FirstSentPolicy, SystemClock};
 use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
 
-use crate::cli::KeySecretArgs;
+use crate::cli::{GatewayArgs, InFlight, KeySecretArgs, PointOfNoReturn};
 use crate::http_server::{self, HttpLimits};
 use crate::problem::ApiError;
-use crate::secret::migrate_for_start;
+use crate::secret::{KeySecrets, migrate_for_start};
 use crate::serve::shutdown_signal;
 use crate::{ApiKeys, AppDb};
 
@@ -311,6 +311,64 @@ pub struct GatewayOptions {
     pub limits: HttpLimits,
 }
 
+impl GatewayOptions {
+    /// The options `idemkey gateway` runs with, from its command line.
+    pub fn from_args(args: &GatewayArgs) -> anyhow::Result<Self> {
+        let mut routes = Vec::new();
+        let required: Vec<&str> = if args.routes.is_empty() && args.optional_routes.is_empty() {
+            vec!["POST *"]
+        } else {
+            args.routes.iter().map(String::as_str).collect()
+        };
+        for spec in required {
+            routes.push(
+                RouteRule::parse(spec, KeyRequirement::Required, &args.answers)
+                    .map_err(anyhow::Error::msg)?,
+            );
+        }
+        for spec in &args.optional_routes {
+            routes.push(
+                RouteRule::parse(spec, KeyRequirement::Optional, &args.answers)
+                    .map_err(anyhow::Error::msg)?,
+            );
+        }
+        if let Some(template) = &args.reconcile_url
+            && !template.contains("{key}")
+        {
+            anyhow::bail!(
+                "--reconcile-url must contain {{key}}, e.g. http://svc/v1/transfers?idempotency_key={{key}}"
+            );
+        }
+        Ok(Self {
+            listen: args.listen,
+            upstream: Upstream::parse(&args.upstream).map_err(anyhow::Error::msg)?,
+            routes,
+            in_flight: match args.in_flight {
+                InFlight::Wait => InFlightPolicy::Wait(args.wait_timeout),
+                InFlight::Reject => InFlightPolicy::Reject,
+            },
+            lease: args.lease,
+            mark_at_reservation: args.point_of_no_return == PointOfNoReturn::WithReservation,
+            connect_timeout: args.connect_timeout,
+            upstream_idle_timeout: args.upstream_idle_timeout,
+            upstream_timeout: args.upstream_timeout,
+            max_request_body: args.max_request_body,
+            max_stored_response: args.max_stored_response,
+            retention: args.retention,
+            tenants: args.tenant_source().map_err(anyhow::Error::msg)?,
+            first_sent: args.first_sent.policy(),
+            database_url: args.database_url.clone(),
+            secret: args.secret.clone(),
+            key_secret_in_database: args.key_secret_in_database,
+            reconcile_url: args.reconcile_url.clone(),
+            reconcile_interval: args.reconcile_interval,
+            simulate_delay_before_forward: args.simulate_delay_before_forward(),
+            purge_interval: args.purge_interval,
+            limits: args.limits.limits(),
+        })
+    }
+}
+
 /// What the gateway's handlers share.
 #[derive(Debug)]
 struct Inner<S> {
@@ -394,17 +452,26 @@ fn router<S: AppDb>(gw: Gateway<S>) -> Router {
         .merge(api)
 }
 
-/// Migrates, then proxies until SIGTERM or Ctrl-C, with the purge and (when configured) the
-/// reconciler running beside it.
-pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result<()> {
-    let secrets = migrate_for_start(
-        &db,
-        &options.database_url,
-        &options.secret,
-        options.key_secret_in_database,
-    )
-    .await?;
-    let metrics = Metrics::new();
+/// The gateway's routes over `db`, without listening and without the purge and the
+/// reconciler that [`gateway`] runs beside them: `/healthz`, `/metrics`, the status resource,
+/// and every other request (authenticated) forwarded to the upstream, the keyed routes
+/// through the layer's external mode. The database must be migrated.
+pub fn app<S: AppDb>(
+    db: S,
+    secrets: &KeySecrets,
+    metrics: Metrics,
+    options: &GatewayOptions,
+) -> Router {
+    router(build(db, secrets, metrics, options))
+}
+
+/// The gateway's state: keys hashed and sealed with `secrets`, a layer per route rule.
+fn build<S: AppDb>(
+    db: S,
+    secrets: &KeySecrets,
+    metrics: Metrics,
+    options: &GatewayOptions,
+) -> Gateway<S> {
     let sealer = KeySealer::new(secrets.current());
     let previous_sealer = secrets.previous().map(KeySealer::new);
     let base = secrets.layer(db.clone());
@@ -433,15 +500,29 @@ pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result
             proxy::keyed_route(layer, forwarder.clone())
         })
         .collect();
-    let gw = Gateway(Arc::new(Inner {
+    Gateway(Arc::new(Inner {
         store: db.clone(),
         sealer,
         previous_sealer,
         status: base.status_router(),
-        metrics: metrics.clone(),
+        metrics,
         forwarder,
         keyed,
-    }));
+    }))
+}
+
+/// Migrates, then proxies until SIGTERM or Ctrl-C, with the purge and (when configured) the
+/// reconciler running beside it.
+pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result<()> {
+    let secrets = migrate_for_start(
+        &db,
+        &options.database_url,
+        &options.secret,
+        options.key_secret_in_database,
+    )
+    .await?;
+    let metrics = Metrics::new();
+    let gw = build(db.clone(), &secrets, metrics.clone(), &options);
     // Each client connection may hold one to the upstream too.
     let listener = http_server::bind(options.listen, &options.limits, 2).await?;
     let routes: Vec<String> = options

@@ -17,7 +17,7 @@ use http::{HeaderValue, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::client::conn::http1::SendRequest;
 use idemkey_core::HEADER_NAME;
-use idemkey_fault_proxy::strip_hop_by_hop;
+use idemkey_core::hop::strip_hop_by_hop;
 use idemkey_tower::{
     External, IdempotencyLayer, IdempotencyRejection, KeyRequirement, RETRY_AFTER, is_safe,
 };

@@ -18,7 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::listen::accept_loop;
+use idemkey_fault_proxy::accept_loop;
 
 /// Where, around an armed `COMMIT`, a [`PgFaultProxy`] cuts the client's connection (and its
 /// own connection to the server).
@@ -97,7 +97,7 @@ impl Shared {
 /// client at [`addr`](Self::addr) (use `sslmode=disable` or a server without TLS).
 ///
 /// ```
-/// use idemkey_fault_proxy::{CommitCut, PgFaultProxy};
+/// use idemkey_testkit::{CommitCut, PgFaultProxy};
 ///
 /// # async fn example(postgres: std::net::SocketAddr) -> std::io::Result<()> {
 /// let proxy = PgFaultProxy::start(postgres).await?;

@@ -1,4 +1,5 @@
-//! Hop-by-hop headers, for proxies.
+//! Hop-by-hop headers, for proxies: what the gateway and the fault proxy of the demo strip
+//! before they forward a request or a response.
 
 use http::{HeaderMap, HeaderName, header};
 
