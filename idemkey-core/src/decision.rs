@@ -1,6 +1,7 @@
 //! The two decisions: what to do with a request, given the record the store holds
-//! ([`decide`]), and what becomes of an external-mode record once its owner is done
-//! ([`after_effect`]).
+//! ([`decide`]), and what becomes of a record once its owner is done ([`after_effect`], with
+//! [`owner_progress`], [`answer_not_captured`], [`local_after_effect`] and, for the gateway's
+//! reconciler, [`reconciled`]).
 //!
 //! This is the only place that interprets a record or an owner's result. Stores fetch and
 //! write rows; the claim protocol ([`crate::protocol`]), the layer and the gateway call these
@@ -430,6 +431,66 @@ pub fn after_effect(progress: Progress, rule: &AnswerRule) -> AfterEffect {
     }
 }
 
+/// How far an external-mode owner got, from what its handler reported: whether the request
+/// left (`sent`, the point of no return), whether the handler said the outcome is unknown
+/// (`unknown`), and the status of its answer (`None`: it panicked).
+///
+/// | sent | unknown | answer | progress |
+/// |---|---|---|---|
+/// | no | either | either | not sent |
+/// | yes | no | a status | answered with it |
+/// | yes | yes, or no answer (a panic) | | sent, no answer |
+pub fn owner_progress(sent: bool, unknown: bool, status: Option<u16>) -> Progress {
+    match status {
+        Some(status) if sent && !unknown => Progress::Answered(status),
+        _ if sent => Progress::SentNoAnswer,
+        _ => Progress::NotSent,
+    }
+}
+
+/// What becomes of a record whose answer [`after_effect`] said to store when that answer
+/// cannot be read whole (larger than the route's bound, a body that fails half-way): the
+/// answer is known to this attempt only. Before the point of no return the key is released;
+/// after it the effect may have happened, so the record turns indeterminate (for the
+/// reconciler: still unknown, asked again later).
+pub fn answer_not_captured(progress: Progress) -> AfterEffect {
+    match progress {
+        Progress::NotSent => AfterEffect::Release,
+        Progress::SentNoAnswer | Progress::Answered(_) => AfterEffect::Indeterminate,
+    }
+}
+
+/// Local mode: what becomes of the claim, given the handler's `status` and whether its
+/// transaction can commit (`committable`: the handler gave it back, and the answer to store
+/// was read whole). The effect is in the same transaction as the record, so nothing can be
+/// half done: the answer is stored and committed ([`AfterEffect::Complete`]) only when
+/// `rule` says to store it and the transaction can commit; anything else rolls back, effect
+/// and claim together ([`AfterEffect::Release`]). It is never indeterminate.
+pub fn local_after_effect(status: u16, committable: bool, rule: &AnswerRule) -> AfterEffect {
+    match rule.classify(status) {
+        AfterEffect::Complete if committable => AfterEffect::Complete,
+        _ => AfterEffect::Release,
+    }
+}
+
+/// The reconciler: what the other service's answer (`status`) to "did this operation
+/// happen?" makes of a record whose outcome is unknown.
+///
+/// | answer | decision |
+/// |---|---|
+/// | 2xx: found | complete, with that answer |
+/// | 404: not found | release |
+/// | anything else | still unknown (indeterminate), asked again later |
+///
+/// A 2xx whose body cannot be stored is decided by [`answer_not_captured`].
+pub fn reconciled(status: u16) -> AfterEffect {
+    match status {
+        200..=299 => AfterEffect::Complete,
+        404 => AfterEffect::Release,
+        _ => AfterEffect::Indeterminate,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -765,6 +826,101 @@ mod tests {
         }
         for status in REFUSALS {
             assert_eq!(after_effect(Progress::Answered(status), &rule), Release);
+        }
+    }
+
+    #[test]
+    fn owner_progress_table() {
+        use Progress::{Answered, NotSent, SentNoAnswer};
+        let rows = [
+            // (sent, unknown, status) → progress
+            ((false, false, Some(201)), NotSent),
+            ((false, true, Some(201)), NotSent),
+            ((false, false, None), NotSent),
+            ((false, true, None), NotSent),
+            ((true, false, Some(201)), Answered(201)),
+            ((true, false, Some(503)), Answered(503)),
+            ((true, true, Some(201)), SentNoAnswer),
+            ((true, false, None), SentNoAnswer),
+            ((true, true, None), SentNoAnswer),
+        ];
+        for ((sent, unknown, status), expected) in rows {
+            assert_eq!(
+                owner_progress(sent, unknown, status),
+                expected,
+                "{sent} {unknown} {status:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn answer_not_captured_table() {
+        use AfterEffect::{Indeterminate, Release};
+        let rows = [
+            (Progress::NotSent, Release),
+            (Progress::SentNoAnswer, Indeterminate),
+            (Progress::Answered(200), Indeterminate),
+            (Progress::Answered(201), Indeterminate),
+        ];
+        for (progress, expected) in rows {
+            assert_eq!(answer_not_captured(progress), expected, "{progress:?}");
+        }
+    }
+
+    #[test]
+    fn local_after_effect_table() {
+        use AfterEffect::{Complete, Release};
+        let default = AnswerRule::default();
+        let custom: AnswerRule = "500=store 201=release".parse().unwrap();
+        let rows = [
+            // (status, committable, rule) → decision
+            (200, true, &default, Complete),
+            (201, true, &default, Complete),
+            (404, true, &default, Complete),
+            (409, true, &default, Complete),
+            (200, false, &default, Release),
+            (404, false, &default, Release),
+            (422, true, &default, Release),
+            (429, true, &default, Release),
+            (500, true, &default, Release),
+            (503, true, &default, Release),
+            (500, true, &custom, Complete),
+            (500, false, &custom, Release),
+            (201, true, &custom, Release),
+        ];
+        for (status, committable, rule, expected) in rows {
+            assert_eq!(
+                local_after_effect(status, committable, rule),
+                expected,
+                "{status} {committable} {rule}"
+            );
+        }
+        for status in REFUSALS {
+            assert_eq!(local_after_effect(status, true, &default), Release);
+        }
+    }
+
+    #[test]
+    fn reconciled_table() {
+        use AfterEffect::{Complete, Indeterminate, Release};
+        let rows = [
+            (200, Complete),
+            (201, Complete),
+            (204, Complete),
+            (299, Complete),
+            (404, Release),
+            (100, Indeterminate),
+            (302, Indeterminate),
+            (304, Indeterminate),
+            (400, Indeterminate),
+            (409, Indeterminate),
+            (410, Indeterminate),
+            (429, Indeterminate),
+            (500, Indeterminate),
+            (503, Indeterminate),
+        ];
+        for (status, expected) in rows {
+            assert_eq!(reconciled(status), expected, "{status}");
         }
     }
 

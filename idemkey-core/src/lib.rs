@@ -13,7 +13,9 @@
 //! - [`decide`]: the one pure function that says execute / replay / mismatch / in-flight /
 //!   outcome-unknown;
 //! - [`after_effect`] and [`AnswerRule`]: the one pure function that says what becomes of an
-//!   external-mode record once its owner is done (complete / release / indeterminate);
+//!   external-mode record once its owner is done (complete / release / indeterminate), with
+//!   [`owner_progress`], [`answer_not_captured`], [`local_after_effect`] (local mode) and
+//!   [`reconciled`] (the gateway's reconciler) beside it;
 //! - [`Store`]: the SQL primitives a backend provides;
 //! - [`protocol`]: the claim protocol on top of them, written once for every store;
 //! - [`outbox`]: the SQL primitives of the transactional outbox ([`outbox::OutboxStore`]).
@@ -44,7 +46,7 @@ mod time;
 
 pub use self::decision::{
     AfterEffect, AnswerRule, AnswerRuleError, Decision, Mismatch, Progress, REFUSALS, after_effect,
-    decide,
+    answer_not_captured, decide, local_after_effect, owner_progress, reconciled,
 };
 pub use self::eviction::{EvictionNotice, EvictionNotices};
 pub use self::fingerprint::*;
