@@ -11,11 +11,12 @@
 //! 2. On its own task, so that a client that hangs up cannot stop it between the point of
 //!    no return and the recorded outcome: run the handler with an [`External`] handle while
 //!    the lease is renewed.
-//! 3. Ask [`after_effect`] what becomes of the record, given how far the handler got and the
-//!    route's [`AnswerRule`](idemkey_core::AnswerRule), and write that with the fencing
-//!    token: complete, release, or mark indeterminate. A write the store refuses is retried,
-//!    then logged and counted (`idemkey_owner_write_failures_total`); the lease is the
-//!    backstop.
+//! 3. Ask [`after_effect`] what becomes of the record, given how far the handler got
+//!    ([`owner_progress`]) and the route's [`AnswerRule`](idemkey_core::AnswerRule) (an
+//!    answer to store that cannot be read whole: [`answer_not_captured`]), and write that
+//!    with the fencing token: complete, release, or mark indeterminate. A write the store
+//!    refuses is retried, then logged and counted (`idemkey_owner_write_failures_total`); the
+//!    lease is the backstop.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -28,7 +29,7 @@ use axum::response::{IntoResponse, Response};
 use futures::FutureExt;
 use http::Request;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease};
-use idemkey_core::{AfterEffect, Progress, Store, after_effect};
+use idemkey_core::{AfterEffect, Store, after_effect, answer_not_captured, owner_progress};
 use tower_service::Service;
 use tracing::Instrument;
 
@@ -161,18 +162,11 @@ where
         status_url: status_url(&keyed.key).into(),
     });
     let result = AssertUnwindSafe(call(inner, req)).catch_unwind().await;
-    let nothing_back = if flags.sent() {
-        Progress::SentNoAnswer
-    } else {
-        Progress::NotSent
+    let (status, response) = match result {
+        Err(_panic) => (None, IdempotencyRejection::Internal.into_response()),
+        Ok(response) => (Some(response.status().as_u16()), response),
     };
-    let (progress, response) = match result {
-        Err(_panic) => (nothing_back, IdempotencyRejection::Internal.into_response()),
-        Ok(response) if flags.sent() && !flags.unknown() => {
-            (Progress::Answered(response.status().as_u16()), response)
-        }
-        Ok(response) => (nothing_back, response),
-    };
+    let progress = owner_progress(flags.sent(), flags.unknown(), status);
     let (decision, answer) = match after_effect(progress, &config.answers) {
         AfterEffect::Complete => match capture_outcome(response, &config).await {
             Ok(captured) => (AfterEffect::Complete, Answer::Captured(captured)),
@@ -183,7 +177,7 @@ where
                     limit: config.max_stored_response,
                     status_url: Some(status_url(&keyed.key)),
                 };
-                let decision = after_effect(nothing_back, &config.answers);
+                let decision = answer_not_captured(progress);
                 (decision, Answer::Plain(rejection.into_response()))
             }
         },

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use futures::FutureExt;
 use http::Request;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
-use idemkey_core::{AfterEffect, CommitError, Store, Timestamp};
+use idemkey_core::{AfterEffect, CommitError, Store, Timestamp, local_after_effect};
 use tokio::sync::Mutex;
 use tower_service::Service;
 
@@ -80,19 +80,35 @@ where
 
     let operation = hex::encode(claim.id.digest());
     let (response, tx) = match run_handler::<S, I>(inner, req, tx, operation).await {
-        Ok(done) => done,
-        Err(rejection) => return keyed.finish(Outcome::NotStored, rejection),
+        Ok((response, tx)) => (response, Some(tx)),
+        Err(rejection) => (rejection.into_response(), None),
     };
     // In one transaction nothing can be half done: what is not stored rolls back.
-    if config.answers.classify(response.status().as_u16()) != AfterEffect::Complete {
-        drop(tx);
-        return keyed.finish(Outcome::NotStored, response);
-    }
-    let captured = match capture_outcome(response, &config).await {
-        Ok(captured) => captured,
-        Err(rejection) => {
+    let status = response.status().as_u16();
+    let tx = match (
+        local_after_effect(status, tx.is_some(), &config.answers),
+        tx,
+    ) {
+        (AfterEffect::Complete, Some(tx)) => tx,
+        (_, tx) => {
             drop(tx);
-            return keyed.finish(Outcome::NotStored, rejection);
+            return keyed.finish(Outcome::NotStored, response);
+        }
+    };
+    // An answer to store that cannot be read whole leaves nothing the transaction can commit.
+    let captured = capture_outcome(response, &config).await;
+    let captured = match (
+        local_after_effect(status, captured.is_ok(), &config.answers),
+        captured,
+    ) {
+        (AfterEffect::Complete, Ok(captured)) => captured,
+        (_, answer) => {
+            drop(tx);
+            let answer = match answer {
+                Ok(captured) => captured.into_response(None),
+                Err(rejection) => rejection.into_response(),
+            };
+            return keyed.finish(Outcome::NotStored, answer);
         }
     };
     let done = store
@@ -185,7 +201,7 @@ where
         Ok(done) => done,
         Err(rejection) => return rejection.into_response(),
     };
-    let stored = layer.config.answers.classify(response.status().as_u16());
+    let stored = local_after_effect(response.status().as_u16(), true, &layer.config.answers);
     if stored == AfterEffect::Complete
         && let Err(e) = layer.store.commit(tx).await
     {
