@@ -11,6 +11,9 @@
 //! - 404: it did not happen; the key is released and the next retry executes;
 //! - anything else, a larger body, or no answer: still unknown, asked again later.
 //!
+//! That rule is [`reconciled`] (a larger body: [`answer_not_captured`]), beside the layer's
+//! own decision after the effect.
+//!
 //! A record still unknown waits before it is asked again: the interval, doubled after each
 //! answer that settles nothing, up to ten minutes. A round asks about at most [`BATCH`]
 //! records, the oldest due first, so records the upstream cannot settle neither starve an
@@ -25,10 +28,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::StatusCode;
 use idemkey_core::protocol::{self, Resolution};
 use idemkey_core::{
-    Clock, Decision, ListFilter, Record, RecordState, StoredResponse, Timestamp, decide,
+    AfterEffect, Clock, Decision, ListFilter, Progress, Record, RecordState, StoredResponse,
+    Timestamp, answer_not_captured, decide, reconciled,
 };
 use idemkey_tower::{Reconciled, stored_headers};
 
@@ -305,27 +308,36 @@ impl<S: AppDb> Reconciler<S> {
                 .await?;
             let status = response.status();
             let headers = response.headers().clone();
-            let body = if status.is_success() {
+            let effect = reconciled(status.as_u16());
+            let body = if effect == AfterEffect::Complete {
                 read_bounded(response, max).await?
             } else {
                 None
             };
-            Ok::<_, reqwest::Error>((status, headers, body))
+            Ok::<_, reqwest::Error>((status, effect, headers, body))
         }
         .await;
         match answer {
-            Ok((status, headers, Some(body))) if status.is_success() => {
+            Ok((status, AfterEffect::Complete, headers, Some(body))) => {
                 Answer::Happened(StoredResponse {
                     status: status.as_u16(),
                     headers: stored_headers(&headers, &[]),
                     body,
                 })
             }
-            Ok((status, _, None)) if status.is_success() => Answer::Unsettled(format!(
-                "the upstream answered {status} with a body over --max-stored-response"
-            )),
-            Ok((StatusCode::NOT_FOUND, _, _)) => Answer::DidNotHappen,
-            Ok((status, _, _)) => Answer::Unsettled(format!(
+            Ok((status, AfterEffect::Complete, _, None)) => {
+                match answer_not_captured(Progress::Answered(status.as_u16())) {
+                    AfterEffect::Release => Answer::DidNotHappen,
+                    AfterEffect::Complete | AfterEffect::Indeterminate => {
+                        Answer::Unsettled(format!(
+                            "the upstream answered {status} with a body over \
+                             --max-stored-response"
+                        ))
+                    }
+                }
+            }
+            Ok((_, AfterEffect::Release, _, _)) => Answer::DidNotHappen,
+            Ok((status, AfterEffect::Indeterminate, _, _)) => Answer::Unsettled(format!(
                 "the upstream answered {status}, so it does not know yet"
             )),
             // The error's URL holds the raw key: it is left out.
