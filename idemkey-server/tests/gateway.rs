@@ -281,7 +281,19 @@ async fn lookup(
     }
     let ledger = ledger.lock().unwrap();
     match ledger.transfers.get(&key) {
-        Some(transfer) => (StatusCode::OK, axum::Json(transfer.clone())).into_response(),
+        // The headers of the answer that made it: one the gateway stores, one it does not.
+        Some(transfer) => {
+            let location = format!(
+                "{TRANSFERS}/{}",
+                transfer["id"].as_str().unwrap_or_default()
+            );
+            (
+                StatusCode::OK,
+                [("location", location), ("x-upstream", "yes".to_owned())],
+                axum::Json(transfer.clone()),
+            )
+                .into_response()
+        }
         None => StatusCode::NOT_FOUND.into_response(),
     }
 }
@@ -1333,6 +1345,30 @@ async fn an_old_unknown_outcome_is_settled_behind_many_newer_ones() {
     c.transfer("unsettled-0", 1)
         .await
         .assert_problem(409, "outcome-unknown");
+}
+
+/// The reconciler stores an answer with the headers the record's route stores on a normal
+/// completion: `Location` (allowlisted) replays, `X-Upstream` (not allowlisted) does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_stores_the_routes_allowlisted_headers_only() {
+    let upstream = Upstream::start();
+    let db = Db::sqlite();
+    let gw = reconciling_gateway(&db, &upstream).await;
+    upstream.on_next("reset-headers", Behaviour::DropAfterEffect);
+    client_of(&gw)
+        .transfer("reset-headers", 1)
+        .await
+        .assert_problem(504, "upstream-outcome-unknown");
+    let answer = until_reconciled(&client_of(&gw), "reset-headers", 1).await;
+    assert_eq!(answer.status, 200, "reconciled: {}", answer.text());
+    assert!(answer.replayed());
+    assert_eq!(answer.header("location"), Some("/v1/transfers/tr_1"));
+    assert_eq!(
+        answer.header("x-upstream"),
+        None,
+        "only the route's allowlisted headers are stored"
+    );
+    assert_eq!(upstream.effects("reset-headers"), 1);
 }
 
 /// What the reconciler logs names a record by its key id: not the raw key, not the reconcile

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use http::HeaderName;
+use http::{HeaderMap, HeaderName};
 use idemkey_core::{
     AnswerRule, Clock, FingerprintSpec, FirstSentPolicy, FirstSentRequirement, KeyHasher, RecordId,
     SystemClock,
@@ -52,6 +52,13 @@ pub(crate) struct Config {
     /// Set once a request without a [`Tenant`](crate::Tenant) was warned about; shared by
     /// every layer derived from this one, so the warning is given once.
     pub(crate) warned_untenanted: Arc<AtomicBool>,
+}
+
+impl Config {
+    /// What of `headers` is stored with a completed answer of this route.
+    pub(crate) fn stored_headers_of(&self, headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+        crate::stored_headers(headers, &self.stored_headers)
+    }
 }
 
 /// Seals a raw key for its record (see [`IdempotencyLayer::seal_keys`]).
@@ -305,6 +312,14 @@ impl<S> IdempotencyLayer<S> {
     /// ```
     pub fn store_header(self, name: HeaderName) -> Self {
         self.with(|c| c.stored_headers.push(name))
+    }
+
+    /// What of `headers` this layer stores and replays with an answer it completes: the
+    /// headers of [`stored_headers`](crate::stored_headers) plus the route's own
+    /// ([`store_header`](Self::store_header)). For one that completes a record of this
+    /// route elsewhere (a reconciler), so that it stores what the layer would have.
+    pub fn stored_headers_of(&self, headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+        self.config.stored_headers_of(headers)
     }
 
     /// Only these JSON fields (JSON Pointers) define the operation in the fingerprint.

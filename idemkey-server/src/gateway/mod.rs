@@ -25,7 +25,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::{Method, header};
 use idemkey_core::{AnswerRule, FirstSentPolicy, SystemClock};
-use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
+use idemkey_tower::{IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
 
 use crate::cli::{GatewayArgs, InFlight, KeySecretArgs, PointOfNoReturn};
 use crate::http_server::{self, HttpLimits};
@@ -148,6 +148,15 @@ impl RouteRule {
     /// puts the request's method before it).
     fn pattern(&self) -> &str {
         &self.pattern
+    }
+
+    /// Whether records of `route` (a scope's route: the request's method, a space, the
+    /// pattern) are this rule's. The first rule that scopes a route is the one the request
+    /// matched: a later one with the same pattern and method could not have.
+    fn scopes(&self, route: &str) -> bool {
+        route.split_once(' ').is_some_and(|(method, pattern)| {
+            pattern == self.pattern && self.method.as_ref().is_none_or(|m| m.as_str() == method)
+        })
     }
 }
 
@@ -384,11 +393,24 @@ struct Inner<S> {
     /// Per route rule (same order as `options.routes`): the layer's external mode around
     /// the forwarding handler.
     keyed: Vec<Router>,
+    /// Per route rule (same order): that layer, for what it stores with an answer.
+    layers: Vec<IdempotencyLayer<S>>,
 }
 
 impl<S> Inner<S> {
     fn options(&self) -> &GatewayOptions {
         &self.forwarder.options
+    }
+
+    /// What of `headers` is stored with an answer for a record of `route` (its scope's
+    /// route, `POST /v1/*`): what that route's layer stores on a normal completion. A route
+    /// no longer configured stores the headers every route stores.
+    fn stored_headers(&self, route: &str, headers: &http::HeaderMap) -> Vec<(String, Vec<u8>)> {
+        let rules = &self.options().routes;
+        match rules.iter().position(|rule| rule.scopes(route)) {
+            Some(i) => self.layers[i].stored_headers_of(headers),
+            None => idemkey_tower::stored_headers(headers, &[]),
+        }
     }
 }
 
@@ -476,7 +498,7 @@ fn build<S: AppDb>(
     let previous_sealer = secrets.previous().map(KeySealer::new);
     let base = secrets.layer(db.clone());
     let forwarder = Arc::new(proxy::Forwarder::new(Arc::new(options.clone())));
-    let keyed = options
+    let (keyed, layers) = options
         .routes
         .iter()
         .map(|rule| {
@@ -497,9 +519,9 @@ fn build<S: AppDb>(
                 .max_stored_response(options.max_stored_response)
                 .metrics(metrics.clone())
                 .seal_keys(move |key, id| sealer.seal(key, &id.key_hash));
-            proxy::keyed_route(layer, forwarder.clone())
+            (proxy::keyed_route(layer.clone(), forwarder.clone()), layer)
         })
-        .collect();
+        .unzip();
     Gateway(Arc::new(Inner {
         store: db.clone(),
         sealer,
@@ -508,6 +530,7 @@ fn build<S: AppDb>(
         metrics,
         forwarder,
         keyed,
+        layers,
     }))
 }
 
@@ -665,5 +688,19 @@ mod tests {
         assert_eq!(plain.answers, AnswerRule::default());
         let e = RouteRule::parse("POST /v1/* 503=maybe", KeyRequirement::Required, "").unwrap_err();
         assert!(e.contains("503=maybe"), "{e}");
+    }
+
+    #[test]
+    fn a_records_route_names_the_rule_that_scoped_it() {
+        let rule = |spec| RouteRule::parse(spec, KeyRequirement::Required, "").unwrap();
+        let (post, any) = (rule("POST /v1/*"), rule("* /v1/x"));
+        assert!(post.scopes("POST /v1/*"));
+        assert!(!post.scopes("PUT /v1/*"));
+        assert!(
+            !post.scopes("POST /v1/x"),
+            "a path the prefix matches is not its route"
+        );
+        assert!(any.scopes("PUT /v1/x") && any.scopes("POST /v1/x"));
+        assert!(!any.scopes("POST /v1/*") && !any.scopes("/v1/x"));
     }
 }

@@ -6,8 +6,9 @@
 //! percent-encoded key and tenant; the key is also sent as `Idempotency-Key` and the tenant
 //! as `Idemkey-Tenant`, so the upstream answers for that tenant's operation only:
 //!
-//! - 2xx: the operation happened; that answer (status, allowlisted headers, body up to
-//!   `--max-stored-response`) becomes the stored outcome, replayed to every retry;
+//! - 2xx: the operation happened; that answer (status, the headers the record's route stores
+//!   on a normal completion, body up to `--max-stored-response`) becomes the stored outcome,
+//!   replayed to every retry;
 //! - 404: it did not happen; the key is released and the next retry executes;
 //! - anything else, a larger body, or no answer: still unknown, asked again later.
 //!
@@ -33,7 +34,7 @@ use idemkey_core::{
     AfterEffect, Clock, Decision, ListFilter, Progress, Record, RecordState, StoredResponse,
     Timestamp, answer_not_captured, decide, reconciled,
 };
-use idemkey_tower::{Reconciled, stored_headers};
+use idemkey_tower::Reconciled;
 
 use super::Gateway;
 use crate::AppDb;
@@ -321,7 +322,7 @@ impl<S: AppDb> Reconciler<S> {
             Ok((status, AfterEffect::Complete, headers, Some(body))) => {
                 Answer::Happened(StoredResponse {
                     status: status.as_u16(),
-                    headers: stored_headers(&headers, &[]),
+                    headers: self.gw.stored_headers(&record.id.route, &headers),
                     body,
                 })
             }

@@ -52,7 +52,7 @@ pub(super) async fn capture_outcome(
     })?;
     let stored = StoredResponse {
         status: head.status.as_u16(),
-        headers: stored_headers(&head.headers, &config.stored_headers),
+        headers: config.stored_headers_of(&head.headers),
         body: body.to_vec(),
     };
     Ok(Captured { head, body, stored })
