@@ -32,8 +32,8 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use crate::SqliteStore;
 use crate::checkpoint::Checkpoints;
 use crate::evictions::{self, EVICTION_KEPT, Evictions};
+use crate::group::{GROUP_WRITERS, busy_for_each};
 use crate::sql;
-use crate::store::{GROUP_WRITERS, busy_for_each};
 use crate::writer::WriterTimedOut;
 
 /// How many idle read connections a store keeps for [`Store::acquire`].
