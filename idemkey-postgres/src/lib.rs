@@ -15,13 +15,18 @@
 //! commits (then it replays) or rolls back (then it owns the key). Claims of different keys
 //! never wait for each other.
 
+mod connect;
+mod group;
 mod kept;
+mod listen;
 mod literal;
 mod outbox;
 mod sqlstate;
+mod statements;
 mod store;
 mod transaction;
 
+pub use self::connect::PgStore;
+pub use self::listen::EVICTION_CHANNEL;
 pub use self::sqlstate::{is_connection_lost, is_database_unavailable};
-pub use self::store::{EVICTION_CHANNEL, PgStore};
 pub use self::transaction::PgTransaction;

@@ -19,18 +19,25 @@
 //! a first-come, first-served queue in memory, not in SQLite's sleeping busy handler. Each
 //! claim transaction should still be short.
 
+mod batch;
 mod checkpoint;
+mod connect;
 mod evictions;
+mod group;
 mod outbox;
+mod rusqlite_connection;
+mod rusqlite_group;
+mod rusqlite_open;
 mod rusqlite_outbox;
 mod rusqlite_store;
 mod sql;
 mod store;
 mod writer;
 
+pub use self::connect::SqliteStore;
 pub use self::evictions::EVICTION_POLL;
-pub use self::rusqlite_store::{RusqliteConnection, RusqliteStore, RusqliteTransaction};
-pub use self::store::SqliteStore;
+pub use self::rusqlite_connection::{RusqliteConnection, RusqliteTransaction};
+pub use self::rusqlite_open::RusqliteStore;
 pub use self::writer::{SqlitePooledConnection, SqliteTransaction};
 /// The rusqlite this crate's [`RusqliteStore`] is built on, for the application's effects.
 pub use rusqlite;

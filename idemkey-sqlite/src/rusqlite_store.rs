@@ -14,346 +14,23 @@
 //! The SQL is the one [`SqliteStore`](crate::SqliteStore) runs (`sql.rs`), and the two
 //! share a database file and its migrations.
 
-use std::collections::HashSet;
-use std::ops::{Deref, DerefMut};
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex as StdMutex};
-use std::time::Duration;
-
 use idemkey_core::{
     AuditEntry, EvictionNotices, Inserted, ListFilter, Members, NewRecord, Purged, Record,
     RecordId, Store, StoreError, StoredResponse, Timestamp,
 };
-use idemkey_sqlx::group::{self, Completion, GroupWriter, GroupedWrites};
 use idemkey_sqlx::{AuditRow, RecordRow};
-use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
-use tokio::sync::{Mutex, OwnedMutexGuard};
+use rusqlite::{Connection, OptionalExtension, params};
 
-use crate::SqliteStore;
-use crate::checkpoint::Checkpoints;
 use crate::evictions::{self, EVICTION_KEPT, Evictions};
+use crate::rusqlite_connection::Autocommit;
 use crate::sql;
-use crate::store::{GROUP_WRITERS, busy_for_each};
-use crate::writer::WriterTimedOut;
-
-/// How many idle read connections a store keeps for [`Store::acquire`].
-const IDLE_READERS: usize = 8;
-
-/// A SQLite store on rusqlite: write transactions take turns, first come first served, on
-/// one connection the store keeps, and run their statements on the calling thread.
-///
-/// The store keeps one thread of its own, which checkpoints the WAL out of the writer's
-/// turn (see `checkpoint.rs`); it ends once the store and its clones are dropped.
-///
-/// ```no_run
-/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-/// use idemkey_sqlite::RusqliteStore;
-/// let store = RusqliteStore::open("idemkey.db")?;
-/// store.migrate().await?;
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone)]
-pub struct RusqliteStore {
-    shared: Arc<Shared>,
-}
-
-#[derive(Debug)]
-struct Shared {
-    path: PathBuf,
-    busy_timeout: Duration,
-    /// Whether connections create the file and set WAL mode (not for an operator's
-    /// command on an existing file).
-    create: bool,
-    /// The writer turn, with the writer connection (`None` until first used, and after a
-    /// statement that ends a transaction failed).
-    turn: Arc<Mutex<Option<Connection>>>,
-    /// Idle connections for reads and autocommit statements.
-    idle: StdMutex<Vec<Connection>>,
-    /// External mode's reservations and completions, committed in groups (as
-    /// `SqliteStore`'s): one transaction in one turn of the writer for each group.
-    grouped: GroupedWrites,
-    /// The WAL's checkpoints, out of the writer's turn (`checkpoint.rs`).
-    checkpoints: Checkpoints,
-}
-
-impl RusqliteStore {
-    /// Opens (creating if missing) the database file at `path`, in WAL mode with a 5 s busy
-    /// time-out ([`SqliteStore::DEFAULT_BUSY_TIMEOUT`]).
-    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
-        Self::open_with_busy_timeout(path, SqliteStore::DEFAULT_BUSY_TIMEOUT)
-    }
-
-    /// Like [`open`](Self::open), with another busy time-out. It bounds the wait for the
-    /// writer's turn, and then SQLite's own wait for writers outside this store.
-    pub fn open_with_busy_timeout(
-        path: impl AsRef<Path>,
-        busy_timeout: Duration,
-    ) -> Result<Self, StoreError> {
-        Self::open_as(path, busy_timeout, true)
-    }
-
-    /// Opens the database file at `path`, which must exist, for an operator's command:
-    /// nothing is created, and the journal mode is left as the file says (WAL once a
-    /// store opened with [`open`](Self::open) made it).
-    pub fn open_existing(
-        path: impl AsRef<Path>,
-        busy_timeout: Duration,
-    ) -> Result<Self, StoreError> {
-        Self::open_as(path, busy_timeout, false)
-    }
-
-    fn open_as(
-        path: impl AsRef<Path>,
-        busy_timeout: Duration,
-        create: bool,
-    ) -> Result<Self, StoreError> {
-        let path = path.as_ref().to_owned();
-        // Opened now, so a path that cannot be opened fails here, and WAL is set up before
-        // any other connection opens the file (the checkpointer's among them).
-        let writer = writer_connection(&path, busy_timeout, create)?;
-        let checkpoints = {
-            let path = path.clone();
-            Checkpoints::start(move || connection(&path, busy_timeout, false))?
-        };
-        let shared = Shared {
-            path,
-            busy_timeout,
-            create,
-            turn: Arc::new(Mutex::new(None)),
-            idle: StdMutex::new(Vec::new()),
-            grouped: GroupedWrites::new(GROUP_WRITERS),
-            checkpoints,
-        };
-        *shared
-            .turn
-            .try_lock()
-            .expect("nobody else has the turn yet") = Some(writer);
-        Ok(Self {
-            shared: Arc::new(shared),
-        })
-    }
-
-    /// The database file.
-    pub fn path(&self) -> &Path {
-        &self.shared.path
-    }
-
-    /// Runs the pending migrations: [`SqliteStore::migrator`]'s, tracked in the same table,
-    /// through a short-lived sqlx connection to the same file.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        let url = format!("sqlite:{}", self.shared.path.display());
-        let store = SqliteStore::connect_with_busy_timeout(&url, self.shared.busy_timeout).await?;
-        let migrated = store.migrate().await;
-        store.pool().close().await;
-        migrated.map_err(|e| StoreError::Database(Box::new(e)))
-    }
-
-    /// Runs `f` on a connection of its own (from the store's idle ones), outside the
-    /// writer's turn: for reads, and for writes that do not share a transaction with the
-    /// store's.
-    pub fn with_connection<T>(
-        &self,
-        f: impl FnOnce(&mut Connection) -> rusqlite::Result<T>,
-    ) -> Result<T, StoreError> {
-        let mut conn = self.shared.idle_connection()?;
-        let result = f(&mut conn).map_err(error);
-        self.shared.give_back(conn);
-        result
-    }
-}
-
-/// A connection to `path`, set up as `SqliteStore::connect` sets up its own; `create`: the
-/// file is created when missing and put in WAL mode.
-fn connection(path: &Path, busy_timeout: Duration, create: bool) -> Result<Connection, StoreError> {
-    let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    if create {
-        flags |= OpenFlags::SQLITE_OPEN_CREATE;
-    }
-    let conn = Connection::open_with_flags(path, flags)
-        .map_err(|e| StoreError::Unavailable(Box::new(e)))?;
-    conn.busy_timeout(busy_timeout).map_err(error)?;
-    // As `SqliteStore::connect` sets up its connections (sqlx enables foreign keys).
-    if create {
-        conn.execute_batch("PRAGMA journal_mode = WAL")
-            .map_err(error)?;
-    }
-    conn.execute_batch("PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON")
-        .map_err(error)?;
-    conn.set_prepared_statement_cache_capacity(64);
-    Ok(conn)
-}
-
-/// The writer connection: [`connection`], without SQLite's automatic checkpoint, which the
-/// store's checkpointer does instead (`checkpoint.rs`).
-fn writer_connection(
-    path: &Path,
-    busy_timeout: Duration,
-    create: bool,
-) -> Result<Connection, StoreError> {
-    let conn = connection(path, busy_timeout, create)?;
-    conn.execute_batch("PRAGMA wal_autocheckpoint = 0")
-        .map_err(error)?;
-    Ok(conn)
-}
-
-impl Shared {
-    fn connection(&self) -> Result<Connection, StoreError> {
-        connection(&self.path, self.busy_timeout, self.create)
-    }
-
-    fn writer_connection(&self) -> Result<Connection, StoreError> {
-        writer_connection(&self.path, self.busy_timeout, self.create)
-    }
-
-    fn idle_connection(&self) -> Result<Connection, StoreError> {
-        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
-        match idle {
-            Some(conn) => Ok(conn),
-            None => self.connection(),
-        }
-    }
-
-    fn give_back(&self, conn: Connection) {
-        if !conn.is_autocommit() {
-            // Left in a transaction: closing it rolls back what is open on it.
-            return;
-        }
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-        if idle.len() < IDLE_READERS {
-            idle.push(conn);
-        }
-    }
-
-    /// Waits for the writer's turn (first come, first served, bounded by the busy time-out)
-    /// and opens the writer connection if it is not open.
-    async fn turn(self: &Arc<Self>) -> Result<OwnedMutexGuard<Option<Connection>>, StoreError> {
-        let mut turn = match self.turn.clone().try_lock_owned() {
-            Ok(turn) => turn,
-            Err(_) => tokio::time::timeout(self.busy_timeout, self.turn.clone().lock_owned())
-                .await
-                .map_err(|_| StoreError::Busy(Box::new(WriterTimedOut(self.busy_timeout))))?,
-        };
-        if turn.is_none() {
-            *turn = Some(self.writer_connection()?);
-        }
-        Ok(turn)
-    }
-}
+use crate::{RusqliteConnection, RusqliteStore, RusqliteTransaction};
 
 pub(crate) fn error(e: rusqlite::Error) -> StoreError {
     use rusqlite::ErrorCode::{DatabaseBusy, DatabaseLocked};
     match e.sqlite_error_code() {
         Some(DatabaseBusy | DatabaseLocked) => StoreError::Busy(Box::new(e)),
         _ => StoreError::Database(Box::new(e)),
-    }
-}
-
-/// A write transaction on a [`RusqliteStore`] (`BEGIN IMMEDIATE`): it holds SQLite's write
-/// lock and the store's writer turn until it commits or is dropped, which rolls it back.
-/// It dereferences to [`rusqlite::Connection`], for the application's effect; a nested
-/// transaction on it is a savepoint (`Connection::savepoint`).
-#[derive(Debug)]
-pub struct RusqliteTransaction {
-    turn: OwnedMutexGuard<Option<Connection>>,
-    shared: Arc<Shared>,
-}
-
-impl RusqliteTransaction {
-    /// Commits, then lets the next transaction in. When the `COMMIT` fails and leaves the
-    /// transaction open, dropping `self` rolls it back.
-    pub fn commit(self) -> Result<(), StoreError> {
-        self.execute_batch("COMMIT").map_err(error)?;
-        self.shared.checkpoints.after_commit(&self);
-        Ok(())
-    }
-}
-
-impl Deref for RusqliteTransaction {
-    type Target = Connection;
-
-    fn deref(&self) -> &Connection {
-        self.turn
-            .as_ref()
-            .expect("the writer is there while a transaction is")
-    }
-}
-
-impl DerefMut for RusqliteTransaction {
-    fn deref_mut(&mut self) -> &mut Connection {
-        self.turn
-            .as_mut()
-            .expect("the writer is there while a transaction is")
-    }
-}
-
-impl Drop for RusqliteTransaction {
-    fn drop(&mut self) {
-        roll_back_what_is_open(&mut self.turn);
-    }
-}
-
-/// Rolls back a transaction left open on the writer; a writer that cannot is closed (which
-/// rolls it back), and the next turn opens another.
-fn roll_back_what_is_open(turn: &mut Option<Connection>) {
-    if let Some(conn) = turn.as_ref()
-        && !conn.is_autocommit()
-        && conn.execute_batch("ROLLBACK").is_err()
-    {
-        *turn = None;
-    }
-}
-
-/// A connection for statements that commit on their own, from [`Store::acquire`] (an idle
-/// one of the store's) or [`Store::acquire_for_write`] (the writer, in its turn). It
-/// dereferences to [`rusqlite::Connection`].
-#[derive(Debug)]
-pub struct RusqliteConnection(Autocommit);
-
-#[derive(Debug)]
-enum Autocommit {
-    Idle(Option<Connection>, Arc<Shared>),
-    /// The writer, with the store whose checkpointer counts what it committed.
-    Writer(OwnedMutexGuard<Option<Connection>>, Arc<Shared>),
-}
-
-impl Deref for RusqliteConnection {
-    type Target = Connection;
-
-    fn deref(&self) -> &Connection {
-        match &self.0 {
-            Autocommit::Idle(conn, _) => conn.as_ref(),
-            Autocommit::Writer(turn, _) => turn.as_ref(),
-        }
-        .expect("the connection is there until dropped")
-    }
-}
-
-impl DerefMut for RusqliteConnection {
-    fn deref_mut(&mut self) -> &mut Connection {
-        match &mut self.0 {
-            Autocommit::Idle(conn, _) => conn.as_mut(),
-            Autocommit::Writer(turn, _) => turn.as_mut(),
-        }
-        .expect("the connection is there until dropped")
-    }
-}
-
-impl Drop for RusqliteConnection {
-    fn drop(&mut self) {
-        match &mut self.0 {
-            Autocommit::Idle(conn, shared) => {
-                if let Some(conn) = conn.take() {
-                    shared.give_back(conn);
-                }
-            }
-            Autocommit::Writer(turn, shared) => {
-                roll_back_what_is_open(turn);
-                // Its statements committed one by one; counted as one commit.
-                if let Some(writer) = turn.as_ref() {
-                    shared.checkpoints.after_commit(writer);
-                }
-            }
-        }
     }
 }
 
@@ -404,7 +81,7 @@ fn changed_one(
 }
 
 /// The claim's `INSERT … ON CONFLICT DO NOTHING RETURNING token`: `Some` when it inserted.
-fn insert_row(conn: &Connection, r: &NewRecord) -> Result<Option<i64>, StoreError> {
+pub(crate) fn insert_row(conn: &Connection, r: &NewRecord) -> Result<Option<i64>, StoreError> {
     conn.prepare_cached(sql::INSERT)
         .and_then(|mut s| {
             s.query_row(
@@ -430,7 +107,7 @@ fn insert_row(conn: &Connection, r: &NewRecord) -> Result<Option<i64>, StoreErro
 }
 
 /// The completion's `UPDATE`, guarded by the token: whether it matched its row.
-fn complete_row(
+pub(crate) fn complete_row(
     conn: &Connection,
     id: &RecordId,
     token: i64,
@@ -811,67 +488,5 @@ impl Evictions for RusqliteStore {
                 .query_map(params![seq], |r| Ok((r.get(0)?, r.get(1)?)))?
                 .collect()
         })
-    }
-}
-
-impl RusqliteStore {
-    /// Runs `write` in one write transaction (one turn of the writer) and commits it; on an
-    /// error nothing of it is committed.
-    async fn in_one_transaction<T>(
-        &self,
-        write: impl FnOnce(&Connection) -> Result<T, StoreError>,
-    ) -> Result<T, StoreError> {
-        let tx = self.begin().await?;
-        let written = write(&tx)?;
-        tx.commit()?;
-        Ok(written)
-    }
-}
-
-/// A group is the writes one at a time, in one transaction: without a hand-off to share,
-/// what the group saves is the commits.
-impl GroupWriter for RusqliteStore {
-    async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
-        let (rows, in_group) = group::plan(&records, |r| &r.id);
-        let owned = self
-            .in_one_transaction(|conn| {
-                let mut owned = HashSet::new();
-                for r in &rows {
-                    if insert_row(conn, r)?.is_some() {
-                        owned.insert(r.id.clone());
-                    }
-                }
-                Ok(owned)
-            })
-            .await;
-        let from_group = |r: &NewRecord| match &owned {
-            Ok(owned) => Some(Ok(if owned.contains(&r.id) {
-                Inserted::Owned
-            } else {
-                Inserted::Conflict
-            })),
-            Err(e) => busy_for_each(e, rows.len()).map(Err),
-        };
-        group::answer_each(&records, &in_group, from_group, |r| self.insert_alone(r)).await
-    }
-
-    async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
-        let (rows, in_group) = group::plan(&group, |c| &c.id);
-        let completed = self
-            .in_one_transaction(|conn| {
-                let mut completed = HashSet::new();
-                for c in &rows {
-                    if complete_row(conn, &c.id, c.token, &c.response, c.now)? {
-                        completed.insert(c.id.clone());
-                    }
-                }
-                Ok(completed)
-            })
-            .await;
-        let from_group = |c: &Completion| match &completed {
-            Ok(completed) => Some(Ok(completed.contains(&c.id))),
-            Err(e) => busy_for_each(e, rows.len()).map(Err),
-        };
-        group::answer_each(&group, &in_group, from_group, |c| self.complete_alone(c)).await
     }
 }

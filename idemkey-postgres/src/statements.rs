@@ -1,0 +1,58 @@
+//! Statement text and SQLSTATEs the store's claims and completions share.
+
+use std::time::Duration;
+
+use crate::literal::Sql;
+
+/// SQLSTATE `idemkey_expect_owned` raises (migration 0005): the completion matched no row
+/// carrying the owner's token.
+pub(crate) const NOT_OWNED: &str = "IK001";
+
+/// SQLSTATE 23505 unique_violation.
+pub(crate) const UNIQUE_VIOLATION: &str = "23505";
+
+/// SQLSTATE 26000 invalid_sql_statement_name: the connection has not prepared the
+/// statement (yet).
+pub(crate) const UNDEFINED_PREPARED: &str = "26000";
+
+/// The two statements [`PgStore::begin_claim`](idemkey_core::Store::begin_claim) and
+/// [`PgStore::complete_and_commit`](idemkey_core::Store::complete_and_commit) send with
+/// `BEGIN` and `COMMIT`, prepared once per connection (in the message of its first claim),
+/// so the server plans them once, not on every call. The completion is guarded by
+/// `idemkey_expect_owned` (migration 0005): it fails, and so skips the `COMMIT` sent after it,
+/// unless it matched the owner's row.
+pub(crate) const PREPARE: &str = "\
+PREPARE idemkey_claim_v2 (text, bytea, text, bytea, bytea, text, bigint, bigint, bigint, bytea, \
+                          bytea, bigint) AS
+    INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint, fingerprint_parts, state,
+                                 token, lease_expires_at, created_at, updated_at, expires_at,
+                                 sealed_key, fingerprint_members, first_sent)
+    VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11, $12);
+PREPARE idemkey_complete_v1 (text, bytea, text, bigint, integer, bytea, bytea, bigint) AS
+    WITH done AS (
+        UPDATE idemkey_records
+           SET state = 'completed', token = token + 1, lease_expires_at = NULL,
+               response_status = $5, response_headers = $6, response_body = $7,
+               updated_at = $8
+         WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4
+        RETURNING 1
+    )
+    SELECT idemkey_expect_owned(count(*)) FROM done";
+
+/// The SQLSTATE of a database error.
+pub(crate) fn code(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+/// Appends to a message that begins a transaction the statement that makes the
+/// transaction's statements wait at most `wait` for a lock (then fail with SQLSTATE 55P03,
+/// read as "busy"). Transaction-local, so it holds behind a pooler in transaction mode; a
+/// `SET`, not a `SELECT set_config(…)`, so the server plans nothing and sends no row.
+pub(crate) fn set_lock_wait(sql: &mut Sql, wait: Duration) {
+    sql.push("; SET LOCAL lock_timeout = '")
+        .int(wait.as_millis().max(1).try_into().unwrap_or(i64::MAX))
+        .push("ms'");
+}

@@ -1,0 +1,145 @@
+//! The claim and the completion sent as one string each: their SQL, with values written
+//! as literals or bound by number, and how the completion's guard refuses.
+
+use idemkey_core::{Members, NewRecord, Timestamp};
+
+use crate::sql;
+
+/// What [`SqliteStore::begin_claim`] sends: `BEGIN IMMEDIATE` and the claim's `INSERT`, in
+/// one string run by `sqlite3_exec`, which takes no bound parameters, so the values are
+/// written out as SQL literals (text quoted, bytes in hex). A plain `INSERT` (no
+/// `ON CONFLICT`): a taken key fails it with a constraint error, which ends that statement
+/// only, not the transaction. `None` for text with a NUL, which a C string cannot carry: such
+/// a claim goes step by step, with bound parameters.
+///
+/// [`SqliteStore::begin_claim`]: idemkey_core::Store::begin_claim
+pub(crate) fn claim_statement(r: &NewRecord) -> Option<String> {
+    let members = r.fingerprint.members.as_ref().map(Members::to_bytes);
+    let mut sql = Literals(String::with_capacity(
+        640 + 2 * members.as_ref().map_or(0, Vec::len),
+    ));
+    sql.push(
+        "BEGIN IMMEDIATE; \
+         INSERT INTO idemkey_records \
+             (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token, \
+              lease_expires_at, created_at, updated_at, expires_at, sealed_key, \
+              fingerprint_members, first_sent) \
+         VALUES (",
+    );
+    sql.text(&r.id.tenant)?.push(", ");
+    sql.bytes(&r.id.key_hash).push(", ");
+    sql.text(&r.id.route)?.push(", ");
+    sql.bytes(&r.fingerprint.digest).push(", ");
+    sql.bytes(&r.fingerprint.parts.to_bytes()).push(", ");
+    sql.text(r.state.as_str())?.push(", 1, ");
+    sql.opt_int(r.lease_expires_at.map(Timestamp::as_millis))
+        .push(", ");
+    sql.int(r.now.as_millis()).push(", ");
+    sql.int(r.now.as_millis()).push(", ");
+    sql.int(r.expires_at.as_millis()).push(", ");
+    sql.opt_bytes(r.sealed_key.as_deref()).push(", ");
+    sql.opt_bytes(members.as_deref()).push(", ");
+    sql.opt_int(r.first_sent.map(Timestamp::as_millis))
+        .push(")");
+    Some(sql.0)
+}
+
+/// SQL text with values written into it as literals.
+struct Literals(String);
+
+impl Literals {
+    fn push(&mut self, sql: &str) -> &mut Self {
+        self.0.push_str(sql);
+        self
+    }
+
+    /// A quoted string (`'` doubled; SQLite has no other escapes); `None` if it holds a NUL.
+    fn text(&mut self, text: &str) -> Option<&mut Self> {
+        if text.contains('\0') {
+            return None;
+        }
+        self.0.push('\'');
+        for (i, part) in text.split('\'').enumerate() {
+            if i > 0 {
+                self.0.push_str("''");
+            }
+            self.0.push_str(part);
+        }
+        self.0.push('\'');
+        Some(self)
+    }
+
+    /// A blob literal, `X'…'`.
+    fn bytes(&mut self, bytes: &[u8]) -> &mut Self {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        self.0.reserve(bytes.len() * 2 + 3);
+        self.0.push_str("X'");
+        for b in bytes {
+            self.0.push(char::from(HEX[usize::from(b >> 4)]));
+            self.0.push(char::from(HEX[usize::from(b & 0xf)]));
+        }
+        self.0.push('\'');
+        self
+    }
+
+    fn opt_bytes(&mut self, bytes: Option<&[u8]>) -> &mut Self {
+        match bytes {
+            Some(bytes) => self.bytes(bytes),
+            None => self.push("NULL"),
+        }
+    }
+
+    fn int(&mut self, n: i64) -> &mut Self {
+        use std::fmt::Write as _;
+        let _ = write!(self.0, "{n}");
+        self
+    }
+
+    fn opt_int(&mut self, n: Option<i64>) -> &mut Self {
+        match n {
+            Some(n) => self.int(n),
+            None => self.push("NULL"),
+        }
+    }
+}
+
+/// What [`SqliteStore::complete_and_commit`] sends, in one call with bound parameters (sqlx
+/// binds `?N` by number across the statements of one string): the completion, a guard, then
+/// `COMMIT; BEGIN` (see `SqliteTransaction::commit_batch`). The guard refuses, with a
+/// constraint error, a row in a one-column TEMP table whenever the completion changed no row
+/// (`changes()`: the rows of the last `INSERT`, `UPDATE` or `DELETE` that completed): the
+/// error stops the string there, before the `COMMIT`, and leaves the transaction open to be
+/// rolled back. When the completion did change its row, the guard inserts nothing. The table
+/// is created, empty, on each connection's first completion, in its transaction.
+///
+/// [`SqliteStore::complete_and_commit`]: idemkey_core::Store::complete_and_commit
+pub(crate) const COMPLETE_AND_COMMIT: &str = concat!(
+    "CREATE TEMP TABLE IF NOT EXISTS idemkey_fence (
+    matched INTEGER, CONSTRAINT idemkey_fenced CHECK (matched = 1));
+",
+    sql::complete_sql!(),
+    ";
+INSERT INTO temp.idemkey_fence (matched) SELECT changes() WHERE changes() <> 1;
+COMMIT;
+BEGIN"
+);
+
+/// The statements of [`COMPLETE_AND_COMMIT`] before its `COMMIT`.
+pub(crate) const BEFORE_COMMIT: usize = 3;
+
+/// Where the completion and its guard are among the statements of [`COMPLETE_AND_COMMIT`].
+const COMPLETION: usize = 1;
+const GUARD: usize = 2;
+
+/// SQLITE_CONSTRAINT_CHECK, what the guard's refusal is.
+const CONSTRAINT_CHECK: &str = "275";
+
+/// Whether [`COMPLETE_AND_COMMIT`] was stopped by its guard, from the rows each statement
+/// that completed changed (`changed`) and the error that stopped it: the completion ran and
+/// changed no row, and the next statement, the guard, failed its check. Told by the
+/// completion's own count and the error's code, never by a message.
+pub(crate) fn is_fenced(changed: &[u64], e: &sqlx::Error) -> bool {
+    changed.len() == GUARD
+        && changed[COMPLETION] == 0
+        && matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(CONSTRAINT_CHECK))
+}
