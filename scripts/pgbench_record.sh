@@ -14,10 +14,10 @@
 #             not a protocol, the least any record written with the effect can cost)
 #
 # "|" separates round trips; "+" statements sent in one flight (pgbench's pipeline). The
-# statements mirror the store's and the server's SQL (idemkey-postgres/src/store.rs,
-# idemkey-server/src/db.rs). Their values have the sizes of a record `idemkey serve` writes
-# for `idemkey bench --mode fresh` (read from one: fingerprint parts 24 bytes, members 81,
-# response headers 89, body 175, no sealed key).
+# statements mirror the store's and the server's SQL (idemkey-postgres/src/store.rs and
+# statements.rs, idemkey-server/src/db.rs). Their values have the sizes of a record
+# `idemkey serve` writes for `idemkey bench --mode fresh` (read from one: fingerprint parts
+# 24 bytes, members 81, response headers 89, body 175, no sealed key).
 # Loopback only; each run is bounded by its seconds.
 #
 #   scripts/pgbench_record.sh [ROUNDS] [SECONDS] [CLIENTS]

@@ -70,7 +70,8 @@ pub(crate) const NOTE_EVICTION: &str =
     "INSERT INTO idemkey_evictions (record_digest, at) VALUES (?1, ?2)";
 
 /// The completion, `?1`–`?8` bound by [`idemkey_sqlx::bind_completion`]: alone in
-/// [`complete`](Store::complete), with its guard and `COMMIT` in [`COMPLETE_AND_COMMIT`].
+/// [`complete`](idemkey_core::Store::complete), with its guard and `COMMIT` in
+/// [`COMPLETE_AND_COMMIT`](crate::batch::COMPLETE_AND_COMMIT).
 macro_rules! complete_sql {
     () => {
         "UPDATE idemkey_records
