@@ -3,29 +3,10 @@
 //! Links to other sites are not followed (no network here).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+mod doc_pages;
 
-/// The Markdown pages users read: the README and everything under `docs/`.
-fn pages() -> Vec<PathBuf> {
-    let mut pages = vec![root().join("README.md")];
-    let mut dirs = vec![root().join("docs")];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if path.extension().is_some_and(|e| e == "md") {
-                pages.push(path);
-            }
-        }
-    }
-    pages.sort();
-    pages
-}
+use doc_pages::{pages, root};
 
 /// The page's lines outside fenced code blocks.
 fn prose(text: &str) -> Vec<&str> {

@@ -17,13 +17,15 @@
 //! `UPDATE_SNAPSHOTS=1` rewrites the snapshots instead.
 
 use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use idemkey_server::cli::Cli;
+
+mod doc_pages;
 
 /// How long a command may take to finish, or a server to print its "listening" line.
 const BOUND: Duration = Duration::from_secs(90);
@@ -47,31 +49,10 @@ struct Invocation {
     not_run: Option<String>,
 }
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the crate is in the workspace")
-        .to_owned()
-}
-
 /// The documents to check: the README and every Markdown page under `docs/`.
 fn documents() -> Vec<(String, String)> {
-    let root = workspace_root();
-    let mut paths = vec![root.join("README.md")];
-    let mut docs = Vec::new();
-    let mut dirs = vec![root.join("docs")];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).expect("read docs/") {
-            let path = entry.expect("docs/ entry").path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if path.extension().is_some_and(|ext| ext == "md") {
-                docs.push(path);
-            }
-        }
-    }
-    docs.sort();
-    paths.extend(docs);
+    let root = doc_pages::root();
+    let paths = doc_pages::pages();
     paths
         .into_iter()
         .map(|path| {
