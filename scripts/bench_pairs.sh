@@ -10,6 +10,8 @@
 #
 #   scripts/bench_pairs.sh BEFORE AFTER [PAIRS] [REQUESTS] [CONCURRENCY]
 #
+# MODE=replay loads `--mode replay` instead (fresh keys, then the same keys again): the row
+# then shows the replay phase, and replay / fresh in place of fresh / baseline.
 # BEFORE and AFTER are paths to `idemkey` release binaries. STORE=postgres (default sqlite)
 # runs them on a throwaway PostgreSQL (fsync on, default settings), a fresh database of one
 # cluster per run.
@@ -28,6 +30,7 @@ mkdir -p "$OUT"
 . scripts/lib/work.sh
 work_dir pairs
 STORE=${STORE:-sqlite}
+MODE=${MODE:-fresh}
 if [ "$STORE" = postgres ]; then
   start_pg
 fi
@@ -53,23 +56,27 @@ run() { # $1 = label, $2 = binary
   PIDS+=("$pid")
   until_listening "$WORK/serve-$1.log"
   before=$(switches "$pid")
-  "$AFTER" bench --url "http://127.0.0.1:$port" --token tok_bench --mode fresh \
+  "$AFTER" bench --url "http://127.0.0.1:$port" --token tok_bench --mode "$MODE" \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --duration 120s \
     --server-pid "$pid" "${db_pid[@]}" --json >"$OUT/pairs-$1.json"
   echo "$(($(switches "$pid") - before))" >"$OUT/pairs-$1.switches"
   kill "$pid"
   wait "$pid" 2>/dev/null || true
-  python3 - "$1" "$OUT/pairs-$1.json" "$OUT/pairs-$1.switches" <<'PY'
+  python3 - "$1" "$OUT/pairs-$1.json" "$OUT/pairs-$1.switches" "$MODE" <<'PY'
 import json, sys
-label, path, switches = sys.argv[1], sys.argv[2], int(open(sys.argv[3]).read())
+label, path, switches, mode = sys.argv[1], sys.argv[2], int(open(sys.argv[3]).read()), sys.argv[4]
 r = json.load(open(path))
-fresh = next(p for p in r["phases"] if p["name"] == "fresh")
-base = next(p for p in r["phases"] if p["name"] == "baseline")
+if mode == "replay":  # the replay phase, against the fresh phase before it
+    fresh = next(p for p in r["phases"] if p["name"] == "replay")
+    base = next(p for p in r["phases"] if p["name"] == "fresh")
+else:
+    fresh = next(p for p in r["phases"] if p["name"] == "fresh")
+    base = next(p for p in r["phases"] if p["name"] == "baseline")
 total = sum(p["requests"] for p in r["phases"])
 db = fresh.get("database_cpu_us_per_request")
 print(f'{label:<12} {fresh["requests_per_second"]:7.0f} req/s · '
       f'{fresh["server_cpu_us_per_request"]:4.0f} µs · p99 {fresh["p99_ms"]:5.1f} ms · '
-      f'/ baseline {fresh["requests_per_second"] / base["requests_per_second"]:.2f} '
+      f'/ {base["name"]} {fresh["requests_per_second"] / base["requests_per_second"]:.2f} '
       f'({base["requests_per_second"]:.0f} req/s, {base["server_cpu_us_per_request"]:.0f} µs) · '
       + (f'database {db:.0f} µs · ' if db is not None else '')
       + f'{switches / total:4.1f} switches/req · {fresh["statuses"]} · '
