@@ -66,7 +66,7 @@ pub(crate) fn owned<'a, const N: usize, const M: usize>(
     token: i64,
     rest: [i64; N],
 ) -> [Value<'a>; M] {
-    debug_assert_eq!(M, N + 4);
+    const { assert!(M == N + 4, "the key, the token and the rest") };
     let [tenant, key, route] = id(record);
     let mut head = [tenant, key, route, Value::Int(token)].into_iter();
     std::array::from_fn(|i| match head.next() {
