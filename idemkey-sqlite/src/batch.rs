@@ -143,3 +143,64 @@ pub(crate) fn is_fenced(changed: &[u64], e: &sqlx::Error) -> bool {
         && changed[COMPLETION] == 0
         && matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(CONSTRAINT_CHECK))
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use rusqlite::Connection;
+    use rusqlite::types::Value;
+
+    use super::Literals;
+
+    /// What SQLite reads `literal` as.
+    fn read(literal: &str) -> Value {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.query_row(&format!("SELECT {literal}"), [], |r| r.get(0))
+            .unwrap()
+    }
+
+    fn literal(write: impl FnOnce(&mut Literals) -> Option<&mut Literals>) -> Option<String> {
+        let mut sql = Literals(String::new());
+        write(&mut sql)?;
+        Some(sql.0)
+    }
+
+    #[test]
+    fn extreme_integers_are_read_back_as_written() {
+        for n in [i64::MIN, -1, 0, i64::MAX] {
+            let literal = literal(|sql| Some(sql.int(n))).unwrap();
+            assert_eq!(read(&literal), Value::Integer(n), "{literal}");
+        }
+    }
+
+    proptest! {
+        /// Any text without a NUL, quotes and all, is read back as written; text with a
+        /// NUL is refused rather than cut short.
+        #[test]
+        fn text_is_read_back_as_written(text in any::<String>()) {
+            match literal(|sql| sql.text(&text)) {
+                Some(literal) => prop_assert_eq!(read(&literal), Value::Text(text)),
+                None => prop_assert!(text.contains('\0')),
+            }
+        }
+
+        /// Text made of quotes and the characters around them, which the escaping is about.
+        #[test]
+        fn quoted_text_is_read_back_as_written(text in "[\'\"; a\\-]{0,40}") {
+            let literal = literal(|sql| sql.text(&text)).unwrap();
+            prop_assert_eq!(read(&literal), Value::Text(text));
+        }
+
+        #[test]
+        fn bytes_are_read_back_as_written(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let literal = literal(|sql| Some(sql.opt_bytes(Some(&bytes)))).unwrap();
+            prop_assert_eq!(read(&literal), Value::Blob(bytes));
+        }
+
+        #[test]
+        fn integers_are_read_back_as_written(n in any::<Option<i64>>()) {
+            let literal = literal(|sql| Some(sql.opt_int(n))).unwrap();
+            prop_assert_eq!(read(&literal), n.map_or(Value::Null, Value::Integer));
+        }
+    }
+}

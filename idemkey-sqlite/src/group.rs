@@ -1,14 +1,21 @@
-//! External mode's grouped writes: [`GroupWriter`] for [`SqliteStore`].
+//! External mode's grouped writes, [`GroupWriter`] for both SQLite stores: which rows go in
+//! a group and who gets which answer are written once here ([`insert_group`],
+//! [`complete_group`]); each store only writes a group ([`WritesGroups`]): [`SqliteStore`] as
+//! one multi-row statement (one hand-off to sqlx's worker thread),
+//! [`RusqliteStore`](crate::RusqliteStore) as the rows one by one in one transaction
+//! (`rusqlite_group.rs`).
 
 use std::collections::HashSet;
+use std::future::Future;
 
-use idemkey_core::{Inserted, Members, NewRecord, RecordId, Store, StoreError, Timestamp};
+use idemkey_core::{Inserted, NewRecord, RecordId, Store, StoreError};
 use idemkey_sqlx::group::{self, Completion, GroupWriter};
 use sqlx::AssertSqlSafe;
-use sqlx::Sqlite;
 use sqlx::sqlite::SqliteArguments;
 
 use crate::SqliteStore;
+use crate::driver::arguments;
+use crate::params::{self, Value};
 use crate::store::error;
 
 /// External mode's grouped writes: one group of each kind at a time. The writer takes them
@@ -16,6 +23,85 @@ use crate::store::error;
 /// requests were slower with two: docs/decisions.md, "Concurrent external-mode writes are
 /// committed in groups").
 pub(crate) const GROUP_WRITERS: usize = 1;
+
+/// How a store writes a group of two or more, in one turn of the writer, all or nothing.
+pub(crate) trait WritesGroups: GroupWriter {
+    /// Inserts `rows` (`INSERT … ON CONFLICT DO NOTHING`): the keys it inserted.
+    fn write_inserts(
+        &self,
+        rows: &[&NewRecord],
+    ) -> impl Future<Output = Result<HashSet<RecordId>, StoreError>> + Send;
+
+    /// Completes `rows` where they still carry the owner's token: the keys it completed.
+    fn write_completions(
+        &self,
+        rows: &[&Completion],
+    ) -> impl Future<Output = Result<HashSet<RecordId>, StoreError>> + Send;
+}
+
+/// [`GroupWriter::insert_group`]: answered [`Inserted::Owned`] for the rows the group
+/// inserted and [`Inserted::Conflict`] for the keys it found taken (the protocol reads those
+/// records). Busy: each gets busy. Any other failure wrote nothing: each is made again
+/// alone.
+pub(crate) async fn insert_group<S: WritesGroups>(
+    store: &S,
+    records: Vec<NewRecord>,
+) -> Vec<Result<Inserted, StoreError>> {
+    let (rows, in_group) = group::plan(&records, |r| &r.id);
+    let inserted = store.write_inserts(&rows).await;
+    let from_group = |r: &NewRecord| {
+        answer(&inserted, &r.id, rows.len(), |owned| {
+            if owned {
+                Inserted::Owned
+            } else {
+                Inserted::Conflict
+            }
+        })
+    };
+    group::answer_each(&records, &in_group, from_group, |r| store.insert_alone(r)).await
+}
+
+/// [`GroupWriter::complete_group`]: each answered as [`complete`](Store::complete) would
+/// be, `true` where the row still carried the owner's token. Busy: each gets busy; any
+/// other failure wrote nothing: each is written again alone.
+pub(crate) async fn complete_group<S: WritesGroups>(
+    store: &S,
+    completions: Vec<Completion>,
+) -> Vec<Result<bool, StoreError>> {
+    let (rows, in_group) = group::plan(&completions, |c| &c.id);
+    let completed = store.write_completions(&rows).await;
+    let from_group = |c: &Completion| answer(&completed, &c.id, rows.len(), |done| done);
+    group::answer_each(&completions, &in_group, from_group, |c| {
+        store.complete_alone(c)
+    })
+    .await
+}
+
+/// One write's answer from its group's: `written` says whether the group wrote `id`'s row.
+/// `None`: the write is made again alone.
+fn answer<T>(
+    written: &Result<HashSet<RecordId>, StoreError>,
+    id: &RecordId,
+    writes: usize,
+    answer: impl FnOnce(bool) -> T,
+) -> Option<Result<T, StoreError>> {
+    match written {
+        Ok(written) => Some(Ok(answer(written.contains(id)))),
+        Err(e) => busy_for_each(e, writes).map(Err),
+    }
+}
+
+/// A grouped statement that SQLite refused as busy wrote nothing (another process held
+/// the write lock past the busy time-out): each of its writers gets that answer, as it
+/// would alone, rather than each waiting again in turn.
+fn busy_for_each(e: &StoreError, writes: usize) -> Option<StoreError> {
+    let StoreError::Busy(source) = e else {
+        return None;
+    };
+    Some(StoreError::Busy(Box::new(std::io::Error::other(format!(
+        "a group of {writes} writes: {source}"
+    )))))
+}
 
 /// `values` rows of `width` parameters each: `(?, ?), (?, ?)` for 2 and 2, bound in order.
 /// Anonymous: sqlx asks SQLite the name of every parameter it binds, and SQLite finds a
@@ -26,39 +112,25 @@ fn value_rows(values: usize, width: usize) -> String {
     vec![row; values].join(", ")
 }
 
-/// A grouped statement that SQLite refused as busy wrote nothing (another process held
-/// the write lock past the busy time-out): each of its writers gets that answer, as it
-/// would alone, rather than each waiting again in turn.
-pub(crate) fn busy_for_each(e: &StoreError, writes: usize) -> Option<StoreError> {
-    let StoreError::Busy(source) = e else {
-        return None;
-    };
-    Some(StoreError::Busy(Box::new(std::io::Error::other(format!(
-        "a group of {writes} writes: {source}"
-    )))))
-}
-
 impl SqliteStore {
-    /// `statement` on the writer, in one turn (autocommit: one statement, one transaction).
-    async fn write_group<'q>(
+    /// `sql` with `args` on the writer, in one turn (autocommit: one statement, one
+    /// transaction): the keys it returned.
+    async fn write_group(
         &self,
-        statement: sqlx::query::QueryAs<'q, Sqlite, (String, Vec<u8>, String), SqliteArguments>,
+        sql: String,
+        args: Result<SqliteArguments, sqlx::Error>,
     ) -> Result<HashSet<RecordId>, StoreError> {
+        let statement = sqlx::query_as_with(AssertSqlSafe(sql), args.map_err(error)?);
         let mut conn = self.acquire_for_write().await?;
         let rows = statement.fetch_all(&mut *conn).await.map_err(error)?;
         Ok(group::returned(rows))
     }
 }
 
-impl GroupWriter for SqliteStore {
-    /// One multi-row `INSERT … ON CONFLICT DO NOTHING RETURNING` in one turn of the writer
-    /// (one hand-off to sqlx's worker thread for the group), answered
-    /// [`Inserted::Owned`] for the rows it inserted and [`Inserted::Conflict`] for the keys
-    /// it found taken (the protocol reads those records). Busy: each gets busy. Any other
-    /// failure wrote nothing (one statement is one transaction here): each is made again
-    /// alone.
-    async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
-        let (rows, in_group) = group::plan(&records, |r| &r.id);
+/// One statement per group, in one turn of the writer.
+impl WritesGroups for SqliteStore {
+    /// One multi-row `INSERT … ON CONFLICT DO NOTHING RETURNING`.
+    async fn write_inserts(&self, rows: &[&NewRecord]) -> Result<HashSet<RecordId>, StoreError> {
         let sql = format!(
             "INSERT INTO idemkey_records
                  (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
@@ -69,42 +141,52 @@ impl GroupWriter for SqliteStore {
              RETURNING tenant, key_hash, route",
             value_rows(rows.len(), 14)
         );
-        let mut statement = sqlx::query_as(AssertSqlSafe(sql));
-        for r in &rows {
-            statement = statement
-                .bind(&r.id.tenant)
-                .bind(&r.id.key_hash[..])
-                .bind(&r.id.route)
-                .bind(&r.fingerprint.digest[..])
-                .bind(r.fingerprint.parts.to_bytes().to_vec())
-                .bind(r.state.as_str())
-                .bind(1_i64)
-                .bind(r.lease_expires_at.map(Timestamp::as_millis))
-                .bind(r.now.as_millis())
-                .bind(r.now.as_millis())
-                .bind(r.expires_at.as_millis())
-                .bind(r.sealed_key.as_deref())
-                .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
-                .bind(r.first_sent.map(Timestamp::as_millis));
-        }
-        let inserted = self.write_group(statement).await;
-        let from_group = |record: &NewRecord| match &inserted {
-            Ok(inserted) => Some(Ok(if inserted.contains(&record.id) {
-                Inserted::Owned
-            } else {
-                Inserted::Conflict
-            })),
-            Err(e) => busy_for_each(e, rows.len()).map(Err),
-        };
-        group::answer_each(&records, &in_group, from_group, |r| self.insert_alone(r)).await
+        let args = (|| {
+            let mut args = SqliteArguments::default();
+            for r in rows {
+                // The claim's `INSERT` writes token 1 and `now` twice (`sql::INSERT`).
+                let [
+                    tenant,
+                    key,
+                    route,
+                    fp,
+                    parts,
+                    state,
+                    lease,
+                    now,
+                    expires,
+                    sealed,
+                    members,
+                    first,
+                ] = params::record(r);
+                let row = [
+                    tenant,
+                    key,
+                    route,
+                    fp,
+                    parts,
+                    state,
+                    Value::Int(1),
+                    lease,
+                    now.clone(),
+                    now,
+                    expires,
+                    sealed,
+                    members,
+                    first,
+                ];
+                arguments(row, &mut args)?;
+            }
+            Ok(args)
+        })();
+        self.write_group(sql, args).await
     }
 
-    /// One `UPDATE … FROM (VALUES …) RETURNING` in one turn of the writer, each answered as
-    /// [`complete`](Store::complete) would be: `true` where the row still carried the
-    /// owner's token. Busy: each gets busy; any other failure wrote nothing: each is
-    /// written again alone.
-    async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
-        let (rows, in_group) = group::plan(&group, |c| &c.id);
+    /// One `UPDATE … FROM (VALUES …) RETURNING`.
+    async fn write_completions(
+        &self,
+        rows: &[&Completion],
+    ) -> Result<HashSet<RecordId>, StoreError> {
         // The `VALUES` columns are `column1` … `column8`: tenant, key_hash, route, token,
         // status, headers, body, now.
         let sql = format!(
@@ -118,23 +200,26 @@ impl GroupWriter for SqliteStore {
              RETURNING tenant, key_hash, route",
             value_rows(rows.len(), 8)
         );
-        let mut statement = sqlx::query_as(AssertSqlSafe(sql));
-        for c in &rows {
-            statement = statement
-                .bind(&c.id.tenant)
-                .bind(&c.id.key_hash[..])
-                .bind(&c.id.route)
-                .bind(c.token)
-                .bind(i32::from(c.response.status))
-                .bind(c.response.encode_headers())
-                .bind(&c.response.body[..])
-                .bind(c.now.as_millis());
-        }
-        let completed = self.write_group(statement).await;
-        let from_group = |c: &Completion| match &completed {
-            Ok(completed) => Some(Ok(completed.contains(&c.id))),
-            Err(e) => busy_for_each(e, rows.len()).map(Err),
-        };
-        group::answer_each(&group, &in_group, from_group, |c| self.complete_alone(c)).await
+        let args = (|| {
+            let mut args = SqliteArguments::default();
+            for c in rows {
+                arguments(
+                    params::completion(&c.id, c.token, &c.response, c.now),
+                    &mut args,
+                )?;
+            }
+            Ok(args)
+        })();
+        self.write_group(sql, args).await
+    }
+}
+
+impl GroupWriter for SqliteStore {
+    async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
+        insert_group(self, records).await
+    }
+
+    async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
+        complete_group(self, group).await
     }
 }

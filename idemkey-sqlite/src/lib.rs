@@ -22,15 +22,18 @@
 mod batch;
 mod checkpoint;
 mod connect;
+mod driver;
 mod evictions;
 mod group;
 mod outbox;
+mod params;
 mod rusqlite_connection;
 mod rusqlite_group;
 mod rusqlite_open;
 mod rusqlite_outbox;
 mod rusqlite_store;
 mod sql;
+mod statements;
 mod store;
 mod writer;
 

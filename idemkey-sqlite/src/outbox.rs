@@ -1,10 +1,17 @@
-//! The outbox's SQL on SQLite. One writer at a time: one relay per database.
-//!
-//! The statements only: the Rust that binds and maps them is shared by every store
-//! ([`idemkey_sqlx::impl_outbox_store`]).
+//! The outbox on SQLite: its SQL, and the Rust that binds and maps it, written once over a
+//! [`Driver`] for both stores ([`SqliteStore`]'s impl here, `RusqliteStore`'s in
+//! `rusqlite_outbox.rs`). One writer at a time: one relay per database.
+
+use idemkey_core::outbox::{
+    Message, MessageFilter, NewMessage, OutboxAuditEntry, OutboxStats, OutboxStore,
+};
+use idemkey_core::{StoreError, Timestamp};
+use idemkey_sqlx::{MessageRow, OutboxAuditRow};
+use sqlx::sqlite::SqliteConnection;
 
 use crate::SqliteStore;
-use crate::store::error;
+use crate::driver::Driver;
+use crate::params::Value;
 
 /// The outbox statements, in the dialect of SQLite.
 pub(crate) struct Sql;
@@ -61,4 +68,239 @@ impl Sql {
         WHERE message_id = ?1 ORDER BY seq";
 }
 
-idemkey_sqlx::impl_outbox_store!(SqliteStore, sqlx::sqlite::SqliteConnection, Sql, error);
+pub(crate) async fn enqueue(conn: &mut impl Driver, m: &NewMessage) -> Result<(), StoreError> {
+    let params = [
+        Value::Text(&m.id),
+        Value::Text(&m.group),
+        Value::Text(&m.kind),
+        Value::Text(&m.data),
+        Value::Int(m.created_at.as_millis()),
+    ];
+    conn.execute(Sql::ENQUEUE, params).await?;
+    Ok(())
+}
+
+pub(crate) async fn claim_due(
+    conn: &mut impl Driver,
+    relay: &str,
+    now: Timestamp,
+    until: Timestamp,
+    limit: u32,
+) -> Result<Vec<Message>, StoreError> {
+    let params = [
+        Value::Text(relay),
+        Value::Int(now.as_millis()),
+        Value::Int(until.as_millis()),
+        Value::Int(i64::from(limit)),
+    ];
+    let mut claimed = messages_of(conn.fetch_all(Sql::CLAIM_DUE, params).await?)?;
+    claimed.sort_by_key(|m| m.seq);
+    Ok(claimed)
+}
+
+pub(crate) async fn mark_sent(
+    conn: &mut impl Driver,
+    id: &str,
+    relay: &str,
+    now: Timestamp,
+) -> Result<bool, StoreError> {
+    let params = [
+        Value::Text(id),
+        Value::Text(relay),
+        Value::Int(now.as_millis()),
+    ];
+    Ok(conn.execute(Sql::MARK_SENT, params).await? == 1)
+}
+
+pub(crate) async fn mark_failed(
+    conn: &mut impl Driver,
+    id: &str,
+    relay: &str,
+    next_attempt_at: Option<Timestamp>,
+    failure: &str,
+) -> Result<bool, StoreError> {
+    let params = [
+        Value::Text(id),
+        Value::Text(relay),
+        next_attempt_at.map_or(Value::Null, |t| Value::Int(t.as_millis())),
+        Value::Text(failure),
+    ];
+    Ok(conn.execute(Sql::MARK_FAILED, params).await? == 1)
+}
+
+pub(crate) async fn messages(
+    conn: &mut impl Driver,
+    filter: &MessageFilter,
+) -> Result<Vec<Message>, StoreError> {
+    let params = [
+        filter
+            .state
+            .map_or(Value::Null, |s| Value::Text(s.as_str())),
+        Value::Int(filter.effective_limit()),
+    ];
+    messages_of(conn.fetch_all(Sql::MESSAGES, params).await?)
+}
+
+fn messages_of(rows: Vec<MessageRow>) -> Result<Vec<Message>, StoreError> {
+    rows.into_iter().map(Message::try_from).collect()
+}
+
+pub(crate) async fn message(
+    conn: &mut impl Driver,
+    id: &str,
+) -> Result<Option<Message>, StoreError> {
+    let row: Option<MessageRow> = conn.fetch_optional(Sql::MESSAGE, [Value::Text(id)]).await?;
+    row.map(Message::try_from).transpose()
+}
+
+pub(crate) async fn requeue(
+    conn: &mut impl Driver,
+    id: &str,
+    now: Timestamp,
+) -> Result<bool, StoreError> {
+    let params = [Value::Text(id), Value::Int(now.as_millis())];
+    Ok(conn.execute(Sql::REQUEUE, params).await? == 1)
+}
+
+pub(crate) async fn remove_dead(conn: &mut impl Driver, id: &str) -> Result<bool, StoreError> {
+    Ok(conn.execute(Sql::REMOVE_DEAD, [Value::Text(id)]).await? == 1)
+}
+
+pub(crate) async fn purge_sent(
+    conn: &mut impl Driver,
+    before: Timestamp,
+    batch: u32,
+) -> Result<u64, StoreError> {
+    let params = [Value::Int(before.as_millis()), Value::Int(i64::from(batch))];
+    conn.execute(Sql::PURGE_SENT, params).await
+}
+
+pub(crate) async fn outbox_stats(conn: &mut impl Driver) -> Result<OutboxStats, StoreError> {
+    let row: Option<(i64, i64, Option<i64>)> = conn.fetch_optional(Sql::STATS, []).await?;
+    let (pending, dead, oldest) =
+        row.ok_or_else(|| StoreError::Corrupt("the outbox's counts returned no row".into()))?;
+    Ok(OutboxStats {
+        pending: pending.max(0) as u64,
+        dead: dead.max(0) as u64,
+        oldest_pending: oldest.map(Timestamp),
+    })
+}
+
+pub(crate) async fn append_outbox_audit(
+    conn: &mut impl Driver,
+    e: &OutboxAuditEntry,
+) -> Result<(), StoreError> {
+    let params = [
+        Value::Text(&e.message_id),
+        Value::Int(e.at.as_millis()),
+        Value::Text(&e.actor),
+        Value::Text(&e.action),
+        Value::Text(&e.detail),
+    ];
+    conn.execute(Sql::APPEND_AUDIT, params).await?;
+    Ok(())
+}
+
+pub(crate) async fn outbox_audit(
+    conn: &mut impl Driver,
+    id: &str,
+) -> Result<Vec<OutboxAuditEntry>, StoreError> {
+    let rows: Vec<OutboxAuditRow> = conn.fetch_all(Sql::AUDIT, [Value::Text(id)]).await?;
+    Ok(rows.into_iter().map(OutboxAuditEntry::from).collect())
+}
+
+impl OutboxStore for SqliteStore {
+    async fn enqueue(conn: &mut SqliteConnection, m: &NewMessage) -> Result<(), StoreError> {
+        enqueue(conn, m).await
+    }
+
+    async fn claim_due(
+        &self,
+        conn: &mut SqliteConnection,
+        relay: &str,
+        now: Timestamp,
+        until: Timestamp,
+        limit: u32,
+    ) -> Result<Vec<Message>, StoreError> {
+        claim_due(conn, relay, now, until, limit).await
+    }
+
+    async fn mark_sent(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &str,
+        relay: &str,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        mark_sent(conn, id, relay, now).await
+    }
+
+    async fn mark_failed(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &str,
+        relay: &str,
+        next_attempt_at: Option<Timestamp>,
+        failure: &str,
+    ) -> Result<bool, StoreError> {
+        mark_failed(conn, id, relay, next_attempt_at, failure).await
+    }
+
+    async fn messages(
+        &self,
+        conn: &mut SqliteConnection,
+        filter: &MessageFilter,
+    ) -> Result<Vec<Message>, StoreError> {
+        messages(conn, filter).await
+    }
+
+    async fn message(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &str,
+    ) -> Result<Option<Message>, StoreError> {
+        message(conn, id).await
+    }
+
+    async fn requeue(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &str,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        requeue(conn, id, now).await
+    }
+
+    async fn remove_dead(&self, conn: &mut SqliteConnection, id: &str) -> Result<bool, StoreError> {
+        remove_dead(conn, id).await
+    }
+
+    async fn purge_sent(
+        &self,
+        conn: &mut SqliteConnection,
+        before: Timestamp,
+        batch: u32,
+    ) -> Result<u64, StoreError> {
+        purge_sent(conn, before, batch).await
+    }
+
+    async fn outbox_stats(&self, conn: &mut SqliteConnection) -> Result<OutboxStats, StoreError> {
+        outbox_stats(conn).await
+    }
+
+    async fn append_outbox_audit(
+        &self,
+        conn: &mut SqliteConnection,
+        e: &OutboxAuditEntry,
+    ) -> Result<(), StoreError> {
+        append_outbox_audit(conn, e).await
+    }
+
+    async fn outbox_audit(
+        &self,
+        conn: &mut SqliteConnection,
+        id: &str,
+    ) -> Result<Vec<OutboxAuditEntry>, StoreError> {
+        outbox_audit(conn, id).await
+    }
+}

@@ -75,10 +75,10 @@ pub(crate) fn roll_back_what_is_open(turn: &mut Option<Connection>) {
 /// [`Store::acquire`]: idemkey_core::Store::acquire
 /// [`Store::acquire_for_write`]: idemkey_core::Store::acquire_for_write
 #[derive(Debug)]
-pub struct RusqliteConnection(pub(crate) Autocommit);
+pub struct RusqliteConnection(pub(crate) IdleOrWriter);
 
 #[derive(Debug)]
-pub(crate) enum Autocommit {
+pub(crate) enum IdleOrWriter {
     Idle(Option<Connection>, Arc<Shared>),
     /// The writer, with the store whose checkpointer counts what it committed.
     Writer(OwnedMutexGuard<Option<Connection>>, Arc<Shared>),
@@ -89,8 +89,8 @@ impl Deref for RusqliteConnection {
 
     fn deref(&self) -> &Connection {
         match &self.0 {
-            Autocommit::Idle(conn, _) => conn.as_ref(),
-            Autocommit::Writer(turn, _) => turn.as_ref(),
+            IdleOrWriter::Idle(conn, _) => conn.as_ref(),
+            IdleOrWriter::Writer(turn, _) => turn.as_ref(),
         }
         .expect("the connection is there until dropped")
     }
@@ -99,8 +99,8 @@ impl Deref for RusqliteConnection {
 impl DerefMut for RusqliteConnection {
     fn deref_mut(&mut self) -> &mut Connection {
         match &mut self.0 {
-            Autocommit::Idle(conn, _) => conn.as_mut(),
-            Autocommit::Writer(turn, _) => turn.as_mut(),
+            IdleOrWriter::Idle(conn, _) => conn.as_mut(),
+            IdleOrWriter::Writer(turn, _) => turn.as_mut(),
         }
         .expect("the connection is there until dropped")
     }
@@ -109,12 +109,12 @@ impl DerefMut for RusqliteConnection {
 impl Drop for RusqliteConnection {
     fn drop(&mut self) {
         match &mut self.0 {
-            Autocommit::Idle(conn, shared) => {
+            IdleOrWriter::Idle(conn, shared) => {
                 if let Some(conn) = conn.take() {
                     shared.give_back(conn);
                 }
             }
-            Autocommit::Writer(turn, shared) => {
+            IdleOrWriter::Writer(turn, shared) => {
                 roll_back_what_is_open(turn);
                 // Its statements committed one by one; counted as one commit.
                 if let Some(writer) = turn.as_ref() {

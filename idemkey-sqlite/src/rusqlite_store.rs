@@ -12,18 +12,18 @@
 //! statement across an `.await`.
 //!
 //! The SQL is the one [`SqliteStore`](crate::SqliteStore) runs (`sql.rs`), and the two
-//! share a database file and its migrations.
+//! share a database file and its migrations; so is the Rust of each statement
+//! (`statements.rs`), run through rusqlite's adapter (`driver.rs`).
 
 use idemkey_core::{
-    AuditEntry, EvictionNotices, Inserted, ListFilter, Members, NewRecord, Purged, Record,
-    RecordId, Store, StoreAdmin, StoreError, StoredResponse, Timestamp,
+    AuditEntry, EvictionNotices, Inserted, ListFilter, NewRecord, Purged, Record, RecordId, Store,
+    StoreAdmin, StoreError, StoredResponse, Timestamp,
 };
-use idemkey_sqlx::{AuditRow, RecordRow};
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{Connection, params};
 
-use crate::evictions::{self, EVICTION_KEPT, Evictions};
-use crate::rusqlite_connection::Autocommit;
-use crate::sql;
+use crate::evictions::{self, Evictions};
+use crate::rusqlite_connection::IdleOrWriter;
+use crate::statements;
 use crate::{RusqliteConnection, RusqliteStore, RusqliteTransaction};
 
 pub(crate) fn error(e: rusqlite::Error) -> StoreError {
@@ -32,102 +32,6 @@ pub(crate) fn error(e: rusqlite::Error) -> StoreError {
         Some(DatabaseBusy | DatabaseLocked) => StoreError::Busy(Box::new(e)),
         _ => StoreError::Database(Box::new(e)),
     }
-}
-
-fn record(row: &rusqlite::Row<'_>) -> rusqlite::Result<RecordRow> {
-    Ok(RecordRow {
-        tenant: row.get("tenant")?,
-        key_hash: row.get("key_hash")?,
-        route: row.get("route")?,
-        fingerprint: row.get("fingerprint")?,
-        fingerprint_parts: row.get("fingerprint_parts")?,
-        state: row.get("state")?,
-        token: row.get("token")?,
-        lease_expires_at: row.get("lease_expires_at")?,
-        response_status: row.get("response_status")?,
-        response_headers: row.get("response_headers")?,
-        response_body: row.get("response_body")?,
-        created_at: row.get("created_at")?,
-        updated_at: row.get("updated_at")?,
-        expires_at: row.get("expires_at")?,
-        sealed_key: row.get("sealed_key")?,
-        fingerprint_members: row.get("fingerprint_members")?,
-        first_sent: row.get("first_sent")?,
-    })
-}
-
-fn records(rows: Vec<RecordRow>) -> Result<Vec<Record>, StoreError> {
-    rows.into_iter().map(Record::try_from).collect()
-}
-
-/// Runs `statement` with `params` and answers how many rows it changed.
-pub(crate) fn changed(
-    conn: &Connection,
-    statement: &str,
-    params: impl rusqlite::Params,
-) -> Result<usize, StoreError> {
-    conn.prepare_cached(statement)
-        .and_then(|mut s| s.execute(params))
-        .map_err(error)
-}
-
-/// Runs `statement` with `params` and answers whether it changed exactly one row.
-fn changed_one(
-    conn: &Connection,
-    statement: &str,
-    params: impl rusqlite::Params,
-) -> Result<bool, StoreError> {
-    Ok(changed(conn, statement, params)? == 1)
-}
-
-/// The claim's `INSERT … ON CONFLICT DO NOTHING RETURNING token`: `Some` when it inserted.
-pub(crate) fn insert_row(conn: &Connection, r: &NewRecord) -> Result<Option<i64>, StoreError> {
-    conn.prepare_cached(sql::INSERT)
-        .and_then(|mut s| {
-            s.query_row(
-                params![
-                    r.id.tenant,
-                    &r.id.key_hash[..],
-                    r.id.route,
-                    &r.fingerprint.digest[..],
-                    r.fingerprint.parts.to_bytes(),
-                    r.state.as_str(),
-                    r.lease_expires_at.map(Timestamp::as_millis),
-                    r.now.as_millis(),
-                    r.expires_at.as_millis(),
-                    r.sealed_key.as_deref(),
-                    r.fingerprint.members.as_ref().map(Members::to_bytes),
-                    r.first_sent.map(Timestamp::as_millis),
-                ],
-                |row| row.get(0),
-            )
-            .optional()
-        })
-        .map_err(error)
-}
-
-/// The completion's `UPDATE`, guarded by the token: whether it matched its row.
-pub(crate) fn complete_row(
-    conn: &Connection,
-    id: &RecordId,
-    token: i64,
-    response: &StoredResponse,
-    now: Timestamp,
-) -> Result<bool, StoreError> {
-    changed_one(
-        conn,
-        sql::COMPLETE,
-        params![
-            id.tenant,
-            &id.key_hash[..],
-            id.route,
-            token,
-            i32::from(response.status),
-            response.encode_headers(),
-            &response.body[..],
-            now.as_millis(),
-        ],
-    )
 }
 
 impl Store for RusqliteStore {
@@ -158,7 +62,7 @@ impl Store for RusqliteStore {
 
     async fn acquire(&self) -> Result<RusqliteConnection, StoreError> {
         let conn = self.shared.idle_connection()?;
-        Ok(RusqliteConnection(Autocommit::Idle(
+        Ok(RusqliteConnection(IdleOrWriter::Idle(
             Some(conn),
             self.shared.clone(),
         )))
@@ -187,22 +91,14 @@ impl Store for RusqliteStore {
 
     async fn acquire_for_write(&self) -> Result<RusqliteConnection, StoreError> {
         let turn = self.shared.turn().await?;
-        Ok(RusqliteConnection(Autocommit::Writer(
+        Ok(RusqliteConnection(IdleOrWriter::Writer(
             turn,
             self.shared.clone(),
         )))
     }
 
     async fn insert(&self, conn: &mut Connection, r: &NewRecord) -> Result<Inserted, StoreError> {
-        // As `SqliteStore::insert`: in the claim's `BEGIN IMMEDIATE` transaction the row
-        // the insert conflicted with is committed, and the read finds it.
-        if insert_row(conn, r)?.is_some() {
-            return Ok(Inserted::Owned);
-        }
-        Ok(match self.fetch(conn, &r.id).await? {
-            Some(existing) => Inserted::Existing(Box::new(existing)),
-            None => Inserted::Conflict,
-        })
+        statements::insert(conn, r).await
     }
 
     async fn fetch(
@@ -210,14 +106,7 @@ impl Store for RusqliteStore {
         conn: &mut Connection,
         id: &RecordId,
     ) -> Result<Option<Record>, StoreError> {
-        conn.prepare_cached(sql::FETCH)
-            .and_then(|mut s| {
-                s.query_row(params![id.tenant, &id.key_hash[..], id.route], record)
-                    .optional()
-            })
-            .map_err(error)?
-            .map(Record::try_from)
-            .transpose()
+        statements::fetch(conn, id).await
     }
 
     async fn replace(
@@ -226,29 +115,7 @@ impl Store for RusqliteStore {
         r: &NewRecord,
         token: i64,
     ) -> Result<Option<i64>, StoreError> {
-        conn.prepare_cached(sql::REPLACE)
-            .and_then(|mut s| {
-                s.query_row(
-                    params![
-                        r.id.tenant,
-                        &r.id.key_hash[..],
-                        r.id.route,
-                        &r.fingerprint.digest[..],
-                        r.fingerprint.parts.to_bytes(),
-                        r.state.as_str(),
-                        r.lease_expires_at.map(Timestamp::as_millis),
-                        r.now.as_millis(),
-                        r.expires_at.as_millis(),
-                        token,
-                        r.sealed_key.as_deref(),
-                        r.fingerprint.members.as_ref().map(Members::to_bytes),
-                        r.first_sent.map(Timestamp::as_millis),
-                    ],
-                    |row| row.get(0),
-                )
-                .optional()
-            })
-            .map_err(error)
+        statements::replace(conn, r, token).await
     }
 
     async fn complete(
@@ -259,7 +126,7 @@ impl Store for RusqliteStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        complete_row(conn, id, token, response, now)
+        statements::complete(conn, id, token, response, now).await
     }
 
     async fn renew(
@@ -270,18 +137,7 @@ impl Store for RusqliteStore {
         lease_until: Timestamp,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        changed_one(
-            conn,
-            sql::RENEW,
-            params![
-                id.tenant,
-                &id.key_hash[..],
-                id.route,
-                token,
-                lease_until.as_millis(),
-                now.as_millis()
-            ],
-        )
+        statements::renew(conn, id, token, lease_until, now).await
     }
 
     async fn mark_executing(
@@ -292,18 +148,7 @@ impl Store for RusqliteStore {
         lease_until: Timestamp,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        changed_one(
-            conn,
-            sql::MARK_EXECUTING,
-            params![
-                id.tenant,
-                &id.key_hash[..],
-                id.route,
-                token,
-                lease_until.as_millis(),
-                now.as_millis()
-            ],
-        )
+        statements::mark_executing(conn, id, token, lease_until, now).await
     }
 
     async fn mark_indeterminate(
@@ -313,17 +158,7 @@ impl Store for RusqliteStore {
         token: i64,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        changed_one(
-            conn,
-            sql::MARK_INDETERMINATE,
-            params![
-                id.tenant,
-                &id.key_hash[..],
-                id.route,
-                token,
-                now.as_millis()
-            ],
-        )
+        statements::mark_indeterminate(conn, id, token, now).await
     }
 
     async fn release(
@@ -332,11 +167,7 @@ impl Store for RusqliteStore {
         id: &RecordId,
         token: i64,
     ) -> Result<bool, StoreError> {
-        changed_one(
-            conn,
-            sql::RELEASE,
-            params![id.tenant, &id.key_hash[..], id.route, token],
-        )
+        statements::release(conn, id, token).await
     }
 
     fn eviction_notices(&self) -> Option<EvictionNotices> {
@@ -350,22 +181,7 @@ impl StoreAdmin for RusqliteStore {
         conn: &mut Connection,
         filter: &ListFilter,
     ) -> Result<Vec<Record>, StoreError> {
-        let rows = conn
-            .prepare_cached(sql::LIST)
-            .and_then(|mut s| {
-                s.query_map(
-                    params![
-                        filter.tenant.as_deref(),
-                        filter.state.map(|s| s.as_str()),
-                        filter.created_before.map(Timestamp::as_millis),
-                        filter.effective_limit(),
-                    ],
-                    record,
-                )?
-                .collect::<rusqlite::Result<Vec<_>>>()
-            })
-            .map_err(error)?;
-        records(rows)
+        statements::list(conn, filter).await
     }
 
     async fn find_by_key(
@@ -374,22 +190,11 @@ impl StoreAdmin for RusqliteStore {
         tenant: &str,
         key_hash: &[u8; 32],
     ) -> Result<Vec<Record>, StoreError> {
-        let rows = conn
-            .prepare_cached(sql::FIND_BY_KEY)
-            .and_then(|mut s| {
-                s.query_map(params![tenant, &key_hash[..]], record)?
-                    .collect::<rusqlite::Result<Vec<_>>>()
-            })
-            .map_err(error)?;
-        records(rows)
+        statements::find_by_key(conn, tenant, key_hash).await
     }
 
     async fn evict(&self, conn: &mut Connection, id: &RecordId) -> Result<bool, StoreError> {
-        changed_one(
-            conn,
-            sql::EVICT,
-            params![id.tenant, &id.key_hash[..], id.route],
-        )
+        statements::evict(conn, id).await
     }
 
     async fn purge_batch(
@@ -399,24 +204,7 @@ impl StoreAdmin for RusqliteStore {
         from: Option<Timestamp>,
         batch: u32,
     ) -> Result<Purged, StoreError> {
-        let gone = conn
-            .prepare_cached(sql::PURGE_BATCH)
-            .and_then(|mut s| {
-                s.query_map(
-                    params![
-                        now.as_millis(),
-                        from.map_or(i64::MIN, Timestamp::as_millis),
-                        i64::from(batch)
-                    ],
-                    |row| row.get::<_, i64>(0),
-                )?
-                .collect::<rusqlite::Result<Vec<_>>>()
-            })
-            .map_err(error)?;
-        Ok(Purged {
-            deleted: gone.len() as u64,
-            through: gone.into_iter().max().map(Timestamp),
-        })
+        statements::purge_batch(conn, now, from, batch).await
     }
 
     async fn append_audit(
@@ -424,20 +212,7 @@ impl StoreAdmin for RusqliteStore {
         conn: &mut Connection,
         entry: &AuditEntry,
     ) -> Result<(), StoreError> {
-        conn.prepare_cached(sql::APPEND_AUDIT)
-            .and_then(|mut s| {
-                s.execute(params![
-                    entry.id.tenant,
-                    &entry.id.key_hash[..],
-                    entry.id.route,
-                    entry.at.as_millis(),
-                    entry.actor,
-                    entry.action,
-                    entry.detail,
-                ])
-            })
-            .map_err(error)?;
-        Ok(())
+        statements::append_audit(conn, entry).await
     }
 
     async fn audit(
@@ -445,36 +220,11 @@ impl StoreAdmin for RusqliteStore {
         conn: &mut Connection,
         id: &RecordId,
     ) -> Result<Vec<AuditEntry>, StoreError> {
-        let rows = conn
-            .prepare_cached(sql::AUDIT)
-            .and_then(|mut s| {
-                s.query_map(params![id.tenant, &id.key_hash[..], id.route], |row| {
-                    Ok(AuditRow {
-                        tenant: row.get(0)?,
-                        key_hash: row.get(1)?,
-                        route: row.get(2)?,
-                        at: row.get(3)?,
-                        actor: row.get(4)?,
-                        action: row.get(5)?,
-                        detail: row.get(6)?,
-                    })
-                })?
-                .collect::<rusqlite::Result<Vec<_>>>()
-            })
-            .map_err(error)?;
-        rows.into_iter().map(AuditEntry::try_from).collect()
+        statements::audit(conn, id).await
     }
 
     async fn notify_evicted(&self, conn: &mut Connection, id: &RecordId) -> Result<(), StoreError> {
-        // As `SqliteStore::notify_evicted`, on the eviction's transaction: other processes
-        // on the file read it once it commits.
-        let now = Timestamp::now();
-        conn.prepare_cached(sql::TRIM_EVICTIONS)
-            .and_then(|mut s| s.execute(params![now.minus(EVICTION_KEPT).as_millis()]))
-            .and_then(|_| conn.prepare_cached(sql::NOTE_EVICTION))
-            .and_then(|mut s| s.execute(params![&id.digest()[..], now.as_millis()]))
-            .map_err(error)?;
-        Ok(())
+        statements::notify_evicted(conn, id).await
     }
 }
 

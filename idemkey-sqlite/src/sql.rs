@@ -1,5 +1,6 @@
 //! The SQL of the SQLite stores, one statement per `Store` method: `SqliteStore` runs it
-//! through sqlx, `RusqliteStore` through rusqlite, with the same `?N` parameters.
+//! through sqlx, `RusqliteStore` through rusqlite, with the same `?N` parameters, built once
+//! (`params.rs`). A record's values are `?1`–`?12` of both `INSERT` and `REPLACE`.
 
 pub(crate) const INSERT: &str = "INSERT INTO idemkey_records
                  (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
@@ -16,8 +17,8 @@ pub(crate) const REPLACE: &str = "UPDATE idemkey_records
                 SET fingerprint = ?4, fingerprint_parts = ?5, state = ?6, token = token + 1,
                     lease_expires_at = ?7, response_status = NULL, response_headers = NULL,
                     response_body = NULL, created_at = ?8, updated_at = ?8, expires_at = ?9,
-                    sealed_key = ?11, fingerprint_members = ?12, first_sent = ?13
-              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?10
+                    sealed_key = ?10, fingerprint_members = ?11, first_sent = ?12
+              WHERE tenant = ?1 AND key_hash = ?2 AND route = ?3 AND token = ?13
              RETURNING token";
 
 pub(crate) const RENEW: &str = "UPDATE idemkey_records SET lease_expires_at = ?5, updated_at = ?6
@@ -69,7 +70,7 @@ pub(crate) const TRIM_EVICTIONS: &str = "DELETE FROM idemkey_evictions WHERE at 
 pub(crate) const NOTE_EVICTION: &str =
     "INSERT INTO idemkey_evictions (record_digest, at) VALUES (?1, ?2)";
 
-/// The completion, `?1`–`?8` bound by [`idemkey_sqlx::bind_completion`]: alone in
+/// The completion, `?1`–`?8` built by `params::completion`: alone in
 /// [`complete`](idemkey_core::Store::complete), with its guard and `COMMIT` in
 /// [`COMPLETE_AND_COMMIT`](crate::batch::COMPLETE_AND_COMMIT).
 macro_rules! complete_sql {

@@ -3,18 +3,19 @@
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, Begun, CommitError, EvictionNotices, Inserted, ListFilter, Members, NewRecord,
-    Purged, Record, RecordId, Store, StoreAdmin, StoreError, StoredResponse, Timestamp,
+    AuditEntry, Begun, CommitError, EvictionNotices, Inserted, ListFilter, NewRecord, Purged,
+    Record, RecordId, Store, StoreAdmin, StoreError, StoredResponse, Timestamp,
 };
-use idemkey_sqlx::{AuditRow, Code, RecordRow, bind_completion, classify_error};
-use sqlx::sqlite::{SqliteConnection, SqlitePool};
+use idemkey_sqlx::{Code, classify_error};
+use sqlx::sqlite::{SqliteArguments, SqliteConnection, SqlitePool};
 use sqlx::{AssertSqlSafe, SqlSafeStr};
 
 use crate::SqliteStore;
 use crate::batch::{BEFORE_COMMIT, COMPLETE_AND_COMMIT, claim_statement, is_fenced};
-use crate::evictions::{self, EVICTION_KEPT, Evictions};
-use crate::sql;
+use crate::driver::arguments;
+use crate::evictions::{self, Evictions};
 use crate::writer::{SqlitePooledConnection, SqliteTransaction};
+use crate::{params, statements};
 
 /// What a SQLite result code says: SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their
 /// extended codes, are busy. SQLite has no code for a lost connection (there is none to
@@ -45,10 +46,6 @@ impl Evictions for SqlitePool {
 
 pub(crate) fn error(e: sqlx::Error) -> StoreError {
     classify_error(e, result_code)
-}
-
-fn record(row: RecordRow) -> Result<Record, StoreError> {
-    Record::try_from(row)
 }
 
 /// The extended result codes of a claim's `INSERT` refused because the key is taken:
@@ -117,10 +114,7 @@ impl Store for SqliteStore {
         }
         tx.adopt().await.map_err(error)?;
         // This transaction holds the write lock: the record that took the key is committed.
-        let inserted = match self.fetch(&mut tx, &record.id).await? {
-            Some(existing) => Inserted::Existing(Box::new(existing)),
-            None => Inserted::Conflict,
-        };
+        let inserted = statements::taken(&mut *tx, &record.id).await?;
         Ok(Begun::Claimed(tx, inserted))
     }
 
@@ -136,7 +130,11 @@ impl Store for SqliteStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<(), CommitError> {
-        let batch = bind_completion(sqlx::query(COMPLETE_AND_COMMIT), id, token, response, now);
+        let mut args = SqliteArguments::default();
+        if let Err(e) = arguments(params::completion(id, token, response, now), &mut args) {
+            return Err(CommitError::NotCommitted(error(e)));
+        }
+        let batch = sqlx::query_with(COMPLETE_AND_COMMIT, args);
         let Err((changed, e)) = tx.commit_batch(batch, BEFORE_COMMIT, is_fenced).await else {
             return Ok(());
         };
@@ -193,33 +191,7 @@ impl Store for SqliteStore {
         conn: &mut SqliteConnection,
         r: &NewRecord,
     ) -> Result<Inserted, StoreError> {
-        // Two statements. In the claim's `BEGIN IMMEDIATE` transaction this connection holds
-        // the only write lock, so the row the insert conflicted with is committed and the
-        // read finds it. On an autocommit connection (external mode) it may be gone by the
-        // read: then `Conflict`, and the protocol reads again.
-        let row: Option<i64> = sqlx::query_scalar(sql::INSERT)
-            .bind(&r.id.tenant)
-            .bind(&r.id.key_hash[..])
-            .bind(&r.id.route)
-            .bind(&r.fingerprint.digest[..])
-            .bind(&r.fingerprint.parts.to_bytes()[..])
-            .bind(r.state.as_str())
-            .bind(r.lease_expires_at.map(Timestamp::as_millis))
-            .bind(r.now.as_millis())
-            .bind(r.expires_at.as_millis())
-            .bind(r.sealed_key.as_deref())
-            .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
-            .bind(r.first_sent.map(Timestamp::as_millis))
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(error)?;
-        if row.is_some() {
-            return Ok(Inserted::Owned);
-        }
-        Ok(match self.fetch(conn, &r.id).await? {
-            Some(existing) => Inserted::Existing(Box::new(existing)),
-            None => Inserted::Conflict,
-        })
+        statements::insert(conn, r).await
     }
 
     async fn fetch(
@@ -227,15 +199,7 @@ impl Store for SqliteStore {
         conn: &mut SqliteConnection,
         id: &RecordId,
     ) -> Result<Option<Record>, StoreError> {
-        sqlx::query_as::<_, RecordRow>(sql::FETCH)
-            .bind(&id.tenant)
-            .bind(&id.key_hash[..])
-            .bind(&id.route)
-            .fetch_optional(conn)
-            .await
-            .map_err(error)?
-            .map(record)
-            .transpose()
+        statements::fetch(conn, id).await
     }
 
     async fn replace(
@@ -244,23 +208,7 @@ impl Store for SqliteStore {
         r: &NewRecord,
         token: i64,
     ) -> Result<Option<i64>, StoreError> {
-        sqlx::query_scalar(sql::REPLACE)
-            .bind(&r.id.tenant)
-            .bind(&r.id.key_hash[..])
-            .bind(&r.id.route)
-            .bind(&r.fingerprint.digest[..])
-            .bind(&r.fingerprint.parts.to_bytes()[..])
-            .bind(r.state.as_str())
-            .bind(r.lease_expires_at.map(Timestamp::as_millis))
-            .bind(r.now.as_millis())
-            .bind(r.expires_at.as_millis())
-            .bind(token)
-            .bind(r.sealed_key.as_deref())
-            .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
-            .bind(r.first_sent.map(Timestamp::as_millis))
-            .fetch_optional(conn)
-            .await
-            .map_err(error)
+        statements::replace(conn, r, token).await
     }
 
     async fn complete(
@@ -271,11 +219,7 @@ impl Store for SqliteStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = bind_completion(sqlx::query(sql::COMPLETE), id, token, response, now)
-            .execute(conn)
-            .await
-            .map_err(error)?;
-        Ok(done.rows_affected() == 1)
+        statements::complete(conn, id, token, response, now).await
     }
 
     async fn renew(
@@ -286,17 +230,7 @@ impl Store for SqliteStore {
         lease_until: Timestamp,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql::RENEW)
-            .bind(&id.tenant)
-            .bind(&id.key_hash[..])
-            .bind(&id.route)
-            .bind(token)
-            .bind(lease_until.as_millis())
-            .bind(now.as_millis())
-            .execute(conn)
-            .await
-            .map_err(error)?;
-        Ok(done.rows_affected() == 1)
+        statements::renew(conn, id, token, lease_until, now).await
     }
 
     async fn mark_executing(
@@ -307,17 +241,7 @@ impl Store for SqliteStore {
         lease_until: Timestamp,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql::MARK_EXECUTING)
-            .bind(&id.tenant)
-            .bind(&id.key_hash[..])
-            .bind(&id.route)
-            .bind(token)
-            .bind(lease_until.as_millis())
-            .bind(now.as_millis())
-            .execute(conn)
-            .await
-            .map_err(error)?;
-        Ok(done.rows_affected() == 1)
+        statements::mark_executing(conn, id, token, lease_until, now).await
     }
 
     async fn mark_indeterminate(
@@ -327,16 +251,7 @@ impl Store for SqliteStore {
         token: i64,
         now: Timestamp,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql::MARK_INDETERMINATE)
-            .bind(&id.tenant)
-            .bind(&id.key_hash[..])
-            .bind(&id.route)
-            .bind(token)
-            .bind(now.as_millis())
-            .execute(conn)
-            .await
-            .map_err(error)?;
-        Ok(done.rows_affected() == 1)
+        statements::mark_indeterminate(conn, id, token, now).await
     }
 
     async fn release(
@@ -345,15 +260,7 @@ impl Store for SqliteStore {
         id: &RecordId,
         token: i64,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql::RELEASE)
-            .bind(&id.tenant)
-            .bind(&id.key_hash[..])
-            .bind(&id.route)
-            .bind(token)
-            .execute(conn)
-            .await
-            .map_err(error)?;
-        Ok(done.rows_affected() == 1)
+        statements::release(conn, id, token).await
     }
 
     fn eviction_notices(&self) -> Option<EvictionNotices> {
@@ -367,15 +274,7 @@ impl StoreAdmin for SqliteStore {
         conn: &mut SqliteConnection,
         filter: &ListFilter,
     ) -> Result<Vec<Record>, StoreError> {
-        let rows = sqlx::query_as::<_, RecordRow>(sql::LIST)
-            .bind(filter.tenant.as_deref())
-            .bind(filter.state.map(|s| s.as_str()))
-            .bind(filter.created_before.map(Timestamp::as_millis))
-            .bind(filter.effective_limit())
-            .fetch_all(conn)
-            .await
-            .map_err(error)?;
-        rows.into_iter().map(record).collect()
+        statements::list(conn, filter).await
     }
 
     async fn find_by_key(
@@ -384,24 +283,11 @@ impl StoreAdmin for SqliteStore {
         tenant: &str,
         key_hash: &[u8; 32],
     ) -> Result<Vec<Record>, StoreError> {
-        let rows = sqlx::query_as::<_, RecordRow>(sql::FIND_BY_KEY)
-            .bind(tenant)
-            .bind(&key_hash[..])
-            .fetch_all(conn)
-            .await
-            .map_err(error)?;
-        rows.into_iter().map(record).collect()
+        statements::find_by_key(conn, tenant, key_hash).await
     }
 
     async fn evict(&self, conn: &mut SqliteConnection, id: &RecordId) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql::EVICT)
-            .bind(&id.tenant)
-            .bind(&id.key_hash[..])
-            .bind(&id.route)
-            .execute(conn)
-            .await
-            .map_err(error)?;
-        Ok(done.rows_affected() == 1)
+        statements::evict(conn, id).await
     }
 
     async fn purge_batch(
@@ -411,19 +297,7 @@ impl StoreAdmin for SqliteStore {
         from: Option<Timestamp>,
         batch: u32,
     ) -> Result<Purged, StoreError> {
-        // SQLite has one writer at a time, so there are no locked rows to skip; a small
-        // batch keeps the write lock short.
-        let gone: Vec<i64> = sqlx::query_scalar(sql::PURGE_BATCH)
-            .bind(now.as_millis())
-            .bind(from.map_or(i64::MIN, Timestamp::as_millis))
-            .bind(i64::from(batch))
-            .fetch_all(conn)
-            .await
-            .map_err(error)?;
-        Ok(Purged {
-            deleted: gone.len() as u64,
-            through: gone.into_iter().max().map(Timestamp),
-        })
+        statements::purge_batch(conn, now, from, batch).await
     }
 
     async fn append_audit(
@@ -431,18 +305,7 @@ impl StoreAdmin for SqliteStore {
         conn: &mut SqliteConnection,
         entry: &AuditEntry,
     ) -> Result<(), StoreError> {
-        sqlx::query(sql::APPEND_AUDIT)
-            .bind(&entry.id.tenant)
-            .bind(&entry.id.key_hash[..])
-            .bind(&entry.id.route)
-            .bind(entry.at.as_millis())
-            .bind(&entry.actor)
-            .bind(&entry.action)
-            .bind(&entry.detail)
-            .execute(conn)
-            .await
-            .map_err(error)?;
-        Ok(())
+        statements::append_audit(conn, entry).await
     }
 
     async fn audit(
@@ -450,14 +313,7 @@ impl StoreAdmin for SqliteStore {
         conn: &mut SqliteConnection,
         id: &RecordId,
     ) -> Result<Vec<AuditEntry>, StoreError> {
-        let rows = sqlx::query_as::<_, AuditRow>(sql::AUDIT)
-            .bind(&id.tenant)
-            .bind(&id.key_hash[..])
-            .bind(&id.route)
-            .fetch_all(conn)
-            .await
-            .map_err(error)?;
-        rows.into_iter().map(AuditEntry::try_from).collect()
+        statements::audit(conn, id).await
     }
 
     async fn notify_evicted(
@@ -465,19 +321,6 @@ impl StoreAdmin for SqliteStore {
         conn: &mut SqliteConnection,
         id: &RecordId,
     ) -> Result<(), StoreError> {
-        // On the eviction's transaction: other processes read it once it commits.
-        let now = Timestamp::now();
-        sqlx::query(sql::TRIM_EVICTIONS)
-            .bind(now.minus(EVICTION_KEPT).as_millis())
-            .execute(&mut *conn)
-            .await
-            .map_err(error)?;
-        sqlx::query(sql::NOTE_EVICTION)
-            .bind(&id.digest()[..])
-            .bind(now.as_millis())
-            .execute(&mut *conn)
-            .await
-            .map_err(error)?;
-        Ok(())
+        statements::notify_evicted(conn, id).await
     }
 }

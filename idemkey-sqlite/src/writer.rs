@@ -140,22 +140,22 @@ impl Writer {
 /// in its turn behind the transactions queued before it; nothing is begun on it). It
 /// dereferences to [`SqliteConnection`].
 #[derive(Debug)]
-pub struct SqlitePooledConnection(Autocommit);
+pub struct SqlitePooledConnection(PoolOrWriter);
 
 #[derive(Debug)]
-enum Autocommit {
+enum PoolOrWriter {
     Pool(PoolConnection<Sqlite>),
     Writer(SqliteTransaction),
 }
 
 impl SqlitePooledConnection {
     pub(crate) fn pooled(conn: PoolConnection<Sqlite>) -> Self {
-        Self(Autocommit::Pool(conn))
+        Self(PoolOrWriter::Pool(conn))
     }
 
     pub(crate) fn writer(turn: SqliteTransaction) -> Self {
         debug_assert_eq!(turn.state, State::Idle);
-        Self(Autocommit::Writer(turn))
+        Self(PoolOrWriter::Writer(turn))
     }
 }
 
@@ -164,8 +164,8 @@ impl Deref for SqlitePooledConnection {
 
     fn deref(&self) -> &SqliteConnection {
         match &self.0 {
-            Autocommit::Pool(conn) => conn,
-            Autocommit::Writer(turn) => turn,
+            PoolOrWriter::Pool(conn) => conn,
+            PoolOrWriter::Writer(turn) => turn,
         }
     }
 }
@@ -173,8 +173,8 @@ impl Deref for SqlitePooledConnection {
 impl DerefMut for SqlitePooledConnection {
     fn deref_mut(&mut self) -> &mut SqliteConnection {
         match &mut self.0 {
-            Autocommit::Pool(conn) => conn,
-            Autocommit::Writer(turn) => turn,
+            PoolOrWriter::Pool(conn) => conn,
+            PoolOrWriter::Writer(turn) => turn,
         }
     }
 }
