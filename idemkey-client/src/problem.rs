@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 ///
 /// Each is the [`uri`](idemkey_core::problem::ProblemType::uri) of the problem type of the same
 /// name in [`idemkey_core::problem`], where its status, title and whether the client retries
-/// it are declared. The registry also holds the reference payments API's own types.
+/// it are declared: the contract's and the gateway's ([`idemkey_core::problem::ALL`]).
 pub mod types {
     use idemkey_core::problem as registry;
 

@@ -1,11 +1,21 @@
 //! The problem types of the contract, declared once.
 //!
 //! Every error answer of idemkey is `application/problem+json` (RFC 9457) with a stable
-//! `type`: `urn:idemkey:problem:` followed by a name. Each type is one [`ProblemType`] constant
-//! here, with its HTTP status, its title and whether a client may retry it with the same key.
-//! The layer and the gateway (`idemkey-tower`), the reference payments API (`idemkey-server`)
-//! and the client (`idemkey-client`) all read these constants, and a test checks the tables of
-//! `docs/guide/contract.md` against [`ALL`].
+//! `type`: `urn:idemkey:problem:` followed by a name. Each type is one [`ProblemType`]
+//! constant, with its HTTP status, its title and whether a client may retry it with the same
+//! key, declared with [`problem_types!`](crate::problem_types) by the component that answers
+//! it, in a list of that component's:
+//!
+//! - [`CONTRACT`]: the layer's, the status resource's and the server's connection limit,
+//!   which any server built on idemkey answers;
+//! - [`GATEWAY`]: what `idemkey gateway` answers of its own, about its upstream and its
+//!   tenants (its rejections live with the gateway, in `idemkey-server`).
+//!
+//! Both are what a client must understand whatever idemkey server it talks to: [`ALL`] is
+//! their union, and [`lookup`] (which `idemkey-client` reads to decide a retry) searches it.
+//! An application declares its own types the same way in its own crate (the reference
+//! payments API: `idemkey_server::problem::PAYMENTS`), and a test checks the tables of
+//! `docs/guide/contract.md` against every list.
 //!
 //! ```
 //! use idemkey_core::problem;
@@ -19,15 +29,8 @@
 /// The media type of every error answer.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
-/// The prefix as a literal, so that `concat!` can build each [`ProblemType::uri`].
-macro_rules! prefix {
-    () => {
-        "urn:idemkey:problem:"
-    };
-}
-
 /// The prefix of every problem `type` URI; the name follows it.
-pub const PROBLEM_TYPE_PREFIX: &str = prefix!();
+pub const PROBLEM_TYPE_PREFIX: &str = "urn:idemkey:problem:";
 
 /// One problem type of the contract.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -50,24 +53,67 @@ pub struct ProblemType {
     pub retry: bool,
 }
 
-/// Declares one `pub const` per problem type.
+impl ProblemType {
+    /// A problem type, as [`problem_types!`](crate::problem_types) declares it (`uri` is
+    /// [`PROBLEM_TYPE_PREFIX`] and `name`).
+    #[doc(hidden)]
+    pub const fn declared(
+        name: &'static str,
+        uri: &'static str,
+        status: u16,
+        title: &'static str,
+        retry: bool,
+    ) -> Self {
+        Self {
+            name,
+            uri,
+            status,
+            title,
+            retry,
+        }
+    }
+}
+
+/// Declares one `pub const` [`ProblemType`](crate::problem::ProblemType) per problem type.
+///
+/// Each type is `IDENT = "name", status, "title", retry: bool;` after its doc comment; its
+/// `type` URI is [`PROBLEM_TYPE_PREFIX`](crate::problem::PROBLEM_TYPE_PREFIX) followed by the
+/// name. A crate declares the types it answers with it, beside the code that answers them,
+/// lists them in a `&[ProblemType]` of its own, and checks its documentation against that
+/// list.
+///
+/// ```
+/// use idemkey_core::problem::{self, ProblemType};
+///
+/// idemkey_core::problem_types! {
+///     /// The order was shipped already: it is the outcome.
+///     ALREADY_SHIPPED = "already-shipped", 409, "Already shipped", retry: false;
+/// }
+///
+/// /// Every problem type of this service.
+/// pub const SHOP: &[ProblemType] = &[ALREADY_SHIPPED];
+///
+/// assert_eq!(SHOP[0].uri, "urn:idemkey:problem:already-shipped");
+/// assert!(problem::lookup(ALREADY_SHIPPED.uri).is_none(), "not one of the contract's");
+/// ```
+#[macro_export]
 macro_rules! problem_types {
     ($(
         $(#[$doc:meta])*
         $ident:ident = $name:literal, $status:literal, $title:literal, retry: $retry:literal;
     )*) => {$(
         $(#[$doc])*
-        pub const $ident: ProblemType = ProblemType {
-            name: $name,
-            uri: concat!(prefix!(), $name),
-            status: $status,
-            title: $title,
-            retry: $retry,
-        };
+        pub const $ident: $crate::problem::ProblemType = $crate::problem::ProblemType::declared(
+            $name,
+            concat!("urn:idemkey:problem:", $name),
+            $status,
+            $title,
+            $retry,
+        );
     )*};
 }
 
-problem_types! {
+crate::problem_types! {
     /// The route requires an `Idempotency-Key` and the request had none.
     KEY_MISSING = "key-missing", 400, "Idempotency-Key missing", retry: false;
     /// The `Idempotency-Key` is malformed, or the header appears more than once.
@@ -112,6 +158,12 @@ problem_types! {
         retry: false;
     /// Status resource: no record of this key for the caller.
     KEY_NOT_FOUND = "key-not-found", 404, "Idempotency-Key not found", retry: false;
+    /// `serve` and `gateway`: the server holds as many client connections as it is allowed;
+    /// the request was answered without being run. Answered with `Retry-After`.
+    SERVER_OVERLOADED = "server-overloaded", 503, "Server overloaded", retry: true;
+}
+
+crate::problem_types! {
     /// Gateway: the upstream could not be reached; nothing was sent, the key is free again.
     UPSTREAM_UNAVAILABLE = "upstream-unavailable", 503, "Upstream unavailable", retry: true;
     /// Gateway: the request was sent upstream and no complete answer came back; the operation
@@ -121,29 +173,14 @@ problem_types! {
     /// Gateway, request without a key: the upstream gave no complete answer; nothing protects
     /// a retry.
     UPSTREAM_FAILED = "upstream-failed", 502, "Upstream failed", retry: false;
-    /// `serve` and `gateway`: the server holds as many client connections as it is allowed;
-    /// the request was answered without being run. Answered with `Retry-After`.
-    SERVER_OVERLOADED = "server-overloaded", 503, "Server overloaded", retry: true;
-
-    /// Payments API: no or an unknown bearer token.
+    /// Gateway: no or an unknown bearer token, or no tenant header from the authenticating
+    /// proxy; not stored. The reference payments API answers it too.
     UNAUTHORIZED = "unauthorized", 401, "Unauthorized", retry: false;
-    /// Payments API: the body or query is invalid; nothing was done.
-    INVALID_REQUEST = "invalid-request", 400, "Invalid request", retry: false;
-    /// Payments API: the payment was declined (stored and replayed like any outcome).
-    PAYMENT_DECLINED = "payment-declined", 402, "Payment declined", retry: false;
-    /// Payments API: no such payment for this tenant.
-    NOT_FOUND = "not-found", 404, "Not found", retry: false;
-    /// Payments API: the tenant already made a payment with this `reference` (whatever its
-    /// idempotency key); the answer names it (stored and replayed like any outcome).
-    PAYMENT_REFERENCE_USED = "payment-reference-used", 409, "Payment reference already used",
-        retry: false;
 }
 
-/// Every problem type: the layer's and the gateway's, then the reference payments API's own
-/// ([`UNAUTHORIZED`], [`INVALID_REQUEST`], [`PAYMENT_DECLINED`], [`NOT_FOUND`],
-/// [`PAYMENT_REFERENCE_USED`]; it answers
-/// [`INTERNAL_ERROR`] too).
-pub const ALL: &[ProblemType] = &[
+/// The types of the contract that any server built on idemkey answers: the layer's, the
+/// status resource's ([`KEY_NOT_FOUND`]) and the connection limit's ([`SERVER_OVERLOADED`]).
+pub const CONTRACT: &[ProblemType] = &[
     KEY_MISSING,
     KEY_INVALID,
     REQUEST_TOO_LARGE,
@@ -160,16 +197,36 @@ pub const ALL: &[ProblemType] = &[
     INTERNAL_ERROR,
     TRANSACTION_UNAVAILABLE,
     KEY_NOT_FOUND,
+    SERVER_OVERLOADED,
+];
+
+/// The types `idemkey gateway` answers of its own, about its upstream and its tenants; it
+/// answers the contract's too.
+pub const GATEWAY: &[ProblemType] = &[
     UPSTREAM_UNAVAILABLE,
     UPSTREAM_OUTCOME_UNKNOWN,
     UPSTREAM_FAILED,
-    SERVER_OVERLOADED,
     UNAUTHORIZED,
-    INVALID_REQUEST,
-    PAYMENT_DECLINED,
-    NOT_FOUND,
-    PAYMENT_REFERENCE_USED,
 ];
+
+/// The lists a client must understand whatever idemkey server it talks to.
+pub const REGISTRY: &[&[ProblemType]] = &[CONTRACT, GATEWAY];
+
+/// `a` then `b`, as one array of `N` (`a.len() + b.len()`) types.
+const fn concat<const N: usize>(a: &[ProblemType], b: &[ProblemType]) -> [ProblemType; N] {
+    assert!(a.len() + b.len() == N);
+    let mut all = [KEY_MISSING; N];
+    let mut i = 0;
+    while i < N {
+        all[i] = if i < a.len() { a[i] } else { b[i - a.len()] };
+        i += 1;
+    }
+    all
+}
+
+/// Every type of the [`REGISTRY`]: [`CONTRACT`], then [`GATEWAY`]. An application's own
+/// types (the reference payments API's) are not among them.
+pub const ALL: &[ProblemType] = &concat::<{ CONTRACT.len() + GATEWAY.len() }>(CONTRACT, GATEWAY);
 
 /// The problem type whose [`uri`](ProblemType::uri) is `uri` (compared exactly), if it is one
 /// of [`ALL`].
@@ -198,6 +255,12 @@ mod tests {
                 p.name
             );
         }
+    }
+
+    #[test]
+    fn all_is_every_list_of_the_registry_in_order() {
+        let lists: Vec<ProblemType> = REGISTRY.iter().flat_map(|l| l.iter().copied()).collect();
+        assert_eq!(ALL, &lists[..]);
     }
 
     #[test]

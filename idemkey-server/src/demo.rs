@@ -24,7 +24,7 @@ use std::time::Duration;
 use anyhow::Context;
 use futures::StreamExt;
 use idemkey_client::{Error, IdempotentClient, Operation, RetryPolicy};
-use idemkey_core::problem::{FIRST_SENT_EXPIRED, PAYMENT_REFERENCE_USED};
+use idemkey_core::problem::FIRST_SENT_EXPIRED;
 use idemkey_core::{Clock, Sleep, Timestamp, protocol};
 use idemkey_fault_proxy::{FaultConfig, FaultProxy};
 use idemkey_tower::{InFlightPolicy, Metrics};
@@ -32,6 +32,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use rand::RngCore;
 use serde::Serialize;
 
+use crate::problem::PAYMENT_REFERENCE_USED;
 use crate::{ApiKeys, AppConfig, AppDb, KeySecrets, app, connect, with_store};
 
 const TOKEN: &str = "sk_demo_lossy_network";

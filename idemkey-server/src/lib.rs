@@ -26,7 +26,7 @@ mod http_server;
 pub mod keys;
 pub mod outbox;
 mod payments;
-mod problem;
+pub mod problem;
 pub mod secret;
 mod serve;
 

@@ -1,10 +1,35 @@
 //! The payments API's own error answers, in the same problem+json shape as the layer's.
 //!
-//! Their `type`, status and title come from the registry, [`idemkey_core::problem`].
+//! Its own problem types are declared here ([`PAYMENTS`]), with the macro of the registry,
+//! [`idemkey_core::problem`], whose types it answers too (`internal-error`,
+//! `store-unavailable`, `server-overloaded`, `unauthorized`). A test checks
+//! `docs/guide/contract.md` against both.
 
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
-use idemkey_core::problem::{self, PROBLEM_JSON};
+use idemkey_core::problem::{self, PROBLEM_JSON, ProblemType};
+
+idemkey_core::problem_types! {
+    /// Payments API: the body or query is invalid; nothing was done.
+    INVALID_REQUEST = "invalid-request", 400, "Invalid request", retry: false;
+    /// Payments API: the payment was declined (stored and replayed like any outcome).
+    PAYMENT_DECLINED = "payment-declined", 402, "Payment declined", retry: false;
+    /// Payments API: no such payment for this tenant.
+    NOT_FOUND = "not-found", 404, "Not found", retry: false;
+    /// Payments API: the tenant already made a payment with this `reference` (whatever its
+    /// idempotency key); the answer names it (stored and replayed like any outcome).
+    PAYMENT_REFERENCE_USED = "payment-reference-used", 409, "Payment reference already used",
+        retry: false;
+}
+
+/// The payments API's own problem types. They are not in the client's registry
+/// ([`problem::ALL`]): a client of another service never meets them.
+pub const PAYMENTS: &[ProblemType] = &[
+    INVALID_REQUEST,
+    PAYMENT_DECLINED,
+    NOT_FOUND,
+    PAYMENT_REFERENCE_USED,
+];
 
 /// An error of the payments API.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -12,9 +37,6 @@ use idemkey_core::problem::{self, PROBLEM_JSON};
 pub(crate) enum ApiError {
     /// No or an unknown bearer token.
     Unauthorized,
-    /// The gateway's tenant header is missing (or not a single, valid tenant): the request
-    /// did not come through the authenticating proxy.
-    Unauthenticated,
     /// The request body or query is not valid; nothing was done.
     InvalidRequest(Vec<String>),
     /// The payment was declined (stored and replayed like any outcome).
@@ -46,20 +68,13 @@ impl IntoResponse for ApiError {
                 "a valid `Authorization: Bearer <token>` header is required".to_owned(),
                 None,
             ),
-            Self::Unauthenticated => (
-                &problem::UNAUTHORIZED,
-                "the request carries no authenticated tenant".to_owned(),
-                None,
-            ),
-            Self::InvalidRequest(errors) => {
-                (&problem::INVALID_REQUEST, errors.join("; "), Some(errors))
-            }
-            Self::PaymentDeclined(reason) => (&problem::PAYMENT_DECLINED, reason, None),
-            Self::NotFound => (&problem::NOT_FOUND, "no such payment".to_owned(), None),
+            Self::InvalidRequest(errors) => (&INVALID_REQUEST, errors.join("; "), Some(errors)),
+            Self::PaymentDeclined(reason) => (&PAYMENT_DECLINED, reason, None),
+            Self::NotFound => (&NOT_FOUND, "no such payment".to_owned(), None),
             Self::ReferenceUsed { payment_id: id } => {
                 let detail = format!("this reference was already used by payment {id}");
                 payment_id = Some(id);
-                (&problem::PAYMENT_REFERENCE_USED, detail, None)
+                (&PAYMENT_REFERENCE_USED, detail, None)
             }
             Self::Internal => (
                 &problem::INTERNAL_ERROR,
@@ -100,5 +115,23 @@ impl IntoResponse for ApiError {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn its_own_types_are_not_the_registrys() {
+        for p in PAYMENTS {
+            assert_eq!(p.uri, format!("{}{}", problem::PROBLEM_TYPE_PREFIX, p.name));
+            assert!(StatusCode::from_u16(p.status).is_ok(), "{}", p.name);
+            assert!(
+                problem::ALL.iter().all(|q| q.name != p.name),
+                "{} is declared twice",
+                p.name
+            );
+        }
     }
 }

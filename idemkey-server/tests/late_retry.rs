@@ -179,7 +179,10 @@ async fn reference_outlives_the_key((base, seen): (String, Seen)) {
             .unwrap();
         assert_eq!(again.status(), 409);
         let problem: serde_json::Value = again.json().await.unwrap();
-        assert_eq!(problem["type"], problem::PAYMENT_REFERENCE_USED.uri);
+        assert_eq!(
+            problem["type"],
+            idemkey_server::problem::PAYMENT_REFERENCE_USED.uri
+        );
         assert_eq!(problem["payment_id"], id["id"]);
     }
     assert_eq!(total(&base).await, 1);

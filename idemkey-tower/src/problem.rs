@@ -1,8 +1,9 @@
 //! The layer's error answers: `application/problem+json` (RFC 9457), one stable `type` each.
 //!
 //! Every case names its problem type here, next to its definition; the type's status, title
-//! and retry answer are declared once in [`idemkey_core::problem`], which `docs/guide/contract.md`
-//! is checked against.
+//! and retry answer are declared once in [`idemkey_core::problem`] ([`problem::CONTRACT`]),
+//! which `docs/guide/contract.md` is checked against. The gateway's own answers are the
+//! gateway's, in `idemkey-server`.
 
 use std::time::Duration;
 
@@ -120,27 +121,6 @@ pub enum IdempotencyRejection {
     /// No such key for this caller (status resource).
     #[error("no idempotency record for this key")]
     KeyNotFound,
-    /// Gateway: the upstream could not be reached (connection refused or timed out); nothing
-    /// was sent and the key is free again.
-    #[error("the upstream service could not be reached; the request was not sent")]
-    UpstreamUnavailable {
-        /// When to try again.
-        retry_after: Duration,
-    },
-    /// Gateway: the request was sent upstream, and no complete answer came back (time-out,
-    /// reset, closed connection). The operation may or may not have happened; it is not
-    /// re-executed until it is resolved.
-    #[error(
-        "the request was sent to the upstream service and no answer came back; its outcome is unknown and it will not be retried automatically"
-    )]
-    UpstreamOutcomeUnknown {
-        /// The status resource of the key.
-        status_url: String,
-    },
-    /// Gateway, request without a key: the upstream gave no complete answer. Nothing is
-    /// known about the outcome and nothing protects a retry.
-    #[error("the upstream service gave no complete answer")]
-    UpstreamFailed,
 }
 
 impl IdempotencyRejection {
@@ -166,9 +146,6 @@ impl IdempotencyRejection {
             Self::Internal => &problem::INTERNAL_ERROR,
             Self::TransactionUnavailable => &problem::TRANSACTION_UNAVAILABLE,
             Self::KeyNotFound => &problem::KEY_NOT_FOUND,
-            Self::UpstreamUnavailable { .. } => &problem::UPSTREAM_UNAVAILABLE,
-            Self::UpstreamOutcomeUnknown { .. } => &problem::UPSTREAM_OUTCOME_UNKNOWN,
-            Self::UpstreamFailed => &problem::UPSTREAM_FAILED,
         }
     }
 
@@ -216,12 +193,10 @@ impl IntoResponse for IdempotencyRejection {
             Self::InFlight { retry_after: r }
             | Self::StoreUnavailable { retry_after: r }
             | Self::CommitUnknown { retry_after: r }
-            | Self::StoreBusy { retry_after: r }
-            | Self::UpstreamUnavailable { retry_after: r } => {
+            | Self::StoreBusy { retry_after: r } => {
                 retry_after = Some(r.as_secs().max(1));
             }
             Self::OutcomeUnknown { status_url }
-            | Self::UpstreamOutcomeUnknown { status_url }
             | Self::ResponseTooLarge {
                 status_url: Some(status_url),
                 ..

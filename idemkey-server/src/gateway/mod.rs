@@ -31,15 +31,17 @@ use idemkey_tower::{
 
 use crate::cli::{GatewayArgs, InFlight, KeySecretArgs, PointOfNoReturn};
 use crate::http_server::{self, HttpLimits};
-use crate::problem::ApiError;
 use crate::secret::{KeySecrets, migrate_for_start};
 use crate::serve::shutdown_signal;
 use crate::{ApiKeys, AppDb};
 
 mod proxy;
 mod reconciler;
+mod rejection;
 mod seal;
 mod upstream;
+
+pub use self::rejection::GatewayRejection;
 
 pub(crate) use self::seal::KeySealer;
 
@@ -240,20 +242,20 @@ impl TenantSource {
     }
 
     /// The tenant of a request with these headers, or the rejection (401).
-    fn tenant_of(&self, headers: &http::HeaderMap) -> Result<String, ApiError> {
+    fn tenant_of(&self, headers: &http::HeaderMap) -> Result<String, GatewayRejection> {
         match self {
             Self::ApiKeys(keys) => headers
                 .get(header::AUTHORIZATION)
                 .and_then(|v| keys.tenant_of_authorization(v))
                 .map(str::to_owned)
-                .ok_or(ApiError::Unauthorized),
+                .ok_or(GatewayRejection::Unauthorized),
             Self::Header(name) => {
                 let mut values = headers.get_all(name).iter();
                 match (values.next(), values.next()) {
                     (Some(value), None) => value.to_str().ok().and_then(valid_tenant),
                     _ => None,
                 }
-                .ok_or(ApiError::Unauthenticated)
+                .ok_or(GatewayRejection::Unauthenticated)
             }
             Self::Single(tenant) => Ok(tenant.clone()),
         }

@@ -24,7 +24,7 @@ use idemkey_tower::{
 use tower::{Layer, ServiceExt};
 
 use super::upstream::Connections;
-use super::{Gateway, GatewayOptions, RouteRule};
+use super::{Gateway, GatewayOptions, GatewayRejection, RouteRule};
 use crate::AppDb;
 
 /// What forwarding needs: the options, and the connections kept to the upstream.
@@ -143,7 +143,7 @@ async fn forward_keyed<S: AppDb>(
             Upstreamed::Unknown(reason) => {
                 tracing::warn!(%reason, "sent upstream, no complete answer: the outcome is unknown");
                 op.outcome_unknown();
-                return IdempotencyRejection::UpstreamOutcomeUnknown {
+                return GatewayRejection::UpstreamOutcomeUnknown {
                     status_url: op.status_url().to_owned(),
                 }
                 .into_response();
@@ -177,7 +177,7 @@ fn upstream_request(options: &GatewayOptions, parts: &Parts, body: Body) -> Requ
 /// 503 `upstream-unavailable`: no connection to the upstream, nothing was sent.
 fn unreachable(error: &io::Error) -> Response {
     tracing::warn!(%error, "upstream unreachable; nothing was sent");
-    IdempotencyRejection::UpstreamUnavailable {
+    GatewayRejection::UpstreamUnavailable {
         retry_after: RETRY_AFTER,
     }
     .into_response()
@@ -206,11 +206,11 @@ async fn forward_plain(forwarder: &Forwarder, req: Request) -> Response {
         }
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "upstream failed");
-            IdempotencyRejection::UpstreamFailed.into_response()
+            GatewayRejection::UpstreamFailed.into_response()
         }
         Err(_) => {
             tracing::warn!("upstream timed out");
-            IdempotencyRejection::UpstreamFailed.into_response()
+            GatewayRejection::UpstreamFailed.into_response()
         }
     }
 }

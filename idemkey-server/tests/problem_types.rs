@@ -1,9 +1,11 @@
-//! `docs/guide/contract.md` against the problem registry (`idemkey_core::problem`): the same types,
-//! and in its tables the same status and the same retry answer for each.
+//! `docs/guide/contract.md` against every declared list of problem types: the registry of
+//! `idemkey_core::problem` (the contract's and the gateway's) and the payments API's own
+//! (`idemkey_server::problem::PAYMENTS`): the same types, and in its tables the same status and
+//! the same retry answer for each.
 
 use std::collections::BTreeSet;
 
-use idemkey_core::problem::{self, PROBLEM_TYPE_PREFIX};
+use idemkey_core::problem::{self, PROBLEM_TYPE_PREFIX, ProblemType};
 
 fn contract() -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/guide/contract.md");
@@ -74,17 +76,26 @@ fn cells_of(line: &str) -> Vec<&str> {
     inner.split('|').map(str::trim).collect()
 }
 
-/// What the doc and the registry disagree on (empty: they agree).
+/// Every declared problem type: the registry's lists, then the payments API's.
+fn declared() -> impl Iterator<Item = &'static ProblemType> {
+    problem::REGISTRY
+        .iter()
+        .copied()
+        .chain([idemkey_server::problem::PAYMENTS])
+        .flatten()
+}
+
+/// What the doc and the declarations disagree on (empty: they agree).
 fn discrepancies(doc: &str) -> Vec<String> {
     let mut found = Vec::new();
-    let registry: BTreeSet<&str> = problem::ALL.iter().map(|p| p.name).collect();
+    let registry: BTreeSet<&str> = declared().map(|p| p.name).collect();
     for name in mentioned(doc) {
         if !registry.contains(name) {
             found.push(format!("the doc names `{name}`, which the registry lacks"));
         }
     }
     let rows = rows(doc);
-    for p in problem::ALL {
+    for p in declared() {
         let listed: Vec<&Row<'_>> = rows.iter().filter(|r| r.name == p.name).collect();
         let row = match listed[..] {
             [] => {
@@ -124,7 +135,7 @@ fn the_contract_lists_exactly_the_registered_problem_types() {
     let found = discrepancies(&contract());
     assert!(
         found.is_empty(),
-        "docs/guide/contract.md and idemkey_core::problem disagree:\n{}",
+        "docs/guide/contract.md and the declared problem types disagree:\n{}",
         found.join("\n")
     );
 }
@@ -149,6 +160,12 @@ fn the_check_catches_a_missing_row_a_wrong_status_a_wrong_retry_and_an_unknown_t
 
     let without = doc.replace(&format!("{}\n", row("key-reused")), "");
     disagree(&without, "the registry has `key-reused`; no table lists it");
+
+    let declined = doc.replace(&format!("{}\n", row("payment-declined")), "");
+    disagree(
+        &declined,
+        "the registry has `payment-declined`; no table lists it",
+    );
 
     let wrong_status = doc.replace(
         &row("upstream-outcome-unknown"),

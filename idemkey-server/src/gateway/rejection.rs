@@ -1,0 +1,144 @@
+//! The gateway's own error answers: about its tenants and its upstream. Each case names its
+//! problem type next to its definition; the types are declared in the registry's list of the
+//! gateway's ([`idemkey_core::problem::GATEWAY`]), so that a client knows whether to retry
+//! them. Everything else the gateway answers is the layer's ([`IdempotencyRejection`](idemkey_tower::IdempotencyRejection)).
+
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+use http::{HeaderValue, StatusCode, header};
+use idemkey_core::problem::{self, PROBLEM_JSON, ProblemType};
+
+/// An error answered by the gateway itself.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GatewayRejection {
+    /// No or an unknown bearer token (tenants from API keys).
+    #[error("a valid `Authorization: Bearer <token>` header is required")]
+    Unauthorized,
+    /// The tenant header is missing (or not a single, valid tenant): the request did not come
+    /// through the authenticating proxy.
+    #[error("the request carries no authenticated tenant")]
+    Unauthenticated,
+    /// The upstream could not be reached (connection refused or timed out); nothing was sent
+    /// and the key is free again.
+    #[error("the upstream service could not be reached; the request was not sent")]
+    UpstreamUnavailable {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The request was sent upstream, and no complete answer came back (time-out, reset,
+    /// closed connection). The operation may or may not have happened; it is not re-executed
+    /// until it is resolved.
+    #[error(
+        "the request was sent to the upstream service and no answer came back; its outcome is unknown and it will not be retried automatically"
+    )]
+    UpstreamOutcomeUnknown {
+        /// The status resource of the key.
+        status_url: String,
+    },
+    /// A request without a key: the upstream gave no complete answer. Nothing is known about
+    /// the outcome and nothing protects a retry.
+    #[error("the upstream service gave no complete answer")]
+    UpstreamFailed,
+}
+
+impl GatewayRejection {
+    /// The problem type of this answer: its `type`, status and title, and whether a client
+    /// may retry it with the same key.
+    pub fn problem(&self) -> &'static ProblemType {
+        match self {
+            Self::Unauthorized | Self::Unauthenticated => &problem::UNAUTHORIZED,
+            Self::UpstreamUnavailable { .. } => &problem::UPSTREAM_UNAVAILABLE,
+            Self::UpstreamOutcomeUnknown { .. } => &problem::UPSTREAM_OUTCOME_UNKNOWN,
+            Self::UpstreamFailed => &problem::UPSTREAM_FAILED,
+        }
+    }
+
+    /// The HTTP status of this answer.
+    pub fn status(&self) -> StatusCode {
+        StatusCode::from_u16(self.problem().status)
+            .expect("every registered problem type has a valid status")
+    }
+}
+
+impl IntoResponse for GatewayRejection {
+    fn into_response(self) -> Response {
+        let problem = self.problem();
+        let status = self.status();
+        let mut body = serde_json::json!({
+            "type": problem.uri,
+            "title": problem.title,
+            "status": status.as_u16(),
+            "detail": self.to_string(),
+        });
+        let mut link = None;
+        if let Self::UpstreamOutcomeUnknown { status_url } = &self {
+            body["status_url"] = serde_json::json!(status_url);
+            link = Some(format!("<{status_url}>; rel=\"status\""));
+        }
+        let mut response = (status, body.to_string()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        match &self {
+            Self::Unauthorized | Self::Unauthenticated => {
+                headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            Self::UpstreamUnavailable { retry_after } => {
+                headers.insert(
+                    header::RETRY_AFTER,
+                    HeaderValue::from(retry_after.as_secs().max(1)),
+                );
+            }
+            _ => {}
+        }
+        if let Some(link) = link.and_then(|l| HeaderValue::from_str(&l).ok()) {
+            headers.insert(header::LINK, link);
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rejection_is_one_of_the_gateways_types() {
+        let all = [
+            GatewayRejection::Unauthorized,
+            GatewayRejection::Unauthenticated,
+            GatewayRejection::UpstreamUnavailable {
+                retry_after: Duration::from_secs(1),
+            },
+            GatewayRejection::UpstreamOutcomeUnknown {
+                status_url: "/idempotency-keys/k".into(),
+            },
+            GatewayRejection::UpstreamFailed,
+        ];
+        for rejection in all {
+            let p = rejection.problem();
+            assert!(problem::GATEWAY.contains(p), "{}", p.name);
+            let response = rejection.into_response();
+            assert_eq!(response.status().as_u16(), p.status);
+            assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
+        }
+    }
+
+    #[test]
+    fn an_unknown_outcome_links_its_status_resource() {
+        let response = GatewayRejection::UpstreamOutcomeUnknown {
+            status_url: "/idempotency-keys/k".into(),
+        }
+        .into_response();
+        assert_eq!(
+            response.headers()[header::LINK],
+            "</idempotency-keys/k>; rel=\"status\""
+        );
+        let response = GatewayRejection::UpstreamUnavailable {
+            retry_after: Duration::ZERO,
+        }
+        .into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "1");
+    }
+}
