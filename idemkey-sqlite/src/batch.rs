@@ -1,8 +1,9 @@
 //! The claim and the completion sent as one string each: their SQL, with values written
 //! as literals or bound by number, and how the completion's guard refuses.
 
-use idemkey_core::{Members, NewRecord, Timestamp};
+use idemkey_core::NewRecord;
 
+use crate::params::{self, Value};
 use crate::sql;
 
 /// What [`SqliteStore::begin_claim`] sends: `BEGIN IMMEDIATE` and the claim's `INSERT`, in
@@ -14,10 +15,13 @@ use crate::sql;
 ///
 /// [`SqliteStore::begin_claim`]: idemkey_core::Store::begin_claim
 pub(crate) fn claim_statement(r: &NewRecord) -> Option<String> {
-    let members = r.fingerprint.members.as_ref().map(Members::to_bytes);
-    let mut sql = Literals(String::with_capacity(
-        640 + 2 * members.as_ref().map_or(0, Vec::len),
-    ));
+    let row = params::inserted_row(r);
+    // The column `fingerprint_members`, the one value that can be long.
+    let members = match &row[12] {
+        Value::Owned(members) => members.len(),
+        _ => 0,
+    };
+    let mut sql = Literals(String::with_capacity(640 + 2 * members));
     sql.push(
         "BEGIN IMMEDIATE; \
          INSERT INTO idemkey_records \
@@ -26,21 +30,13 @@ pub(crate) fn claim_statement(r: &NewRecord) -> Option<String> {
               fingerprint_members, first_sent) \
          VALUES (",
     );
-    sql.text(&r.id.tenant)?.push(", ");
-    sql.bytes(&r.id.key_hash).push(", ");
-    sql.text(&r.id.route)?.push(", ");
-    sql.bytes(&r.fingerprint.digest).push(", ");
-    sql.bytes(&r.fingerprint.parts.to_bytes()).push(", ");
-    sql.text(r.state.as_str())?.push(", 1, ");
-    sql.opt_int(r.lease_expires_at.map(Timestamp::as_millis))
-        .push(", ");
-    sql.int(r.now.as_millis()).push(", ");
-    sql.int(r.now.as_millis()).push(", ");
-    sql.int(r.expires_at.as_millis()).push(", ");
-    sql.opt_bytes(r.sealed_key.as_deref()).push(", ");
-    sql.opt_bytes(members.as_deref()).push(", ");
-    sql.opt_int(r.first_sent.map(Timestamp::as_millis))
-        .push(")");
+    for (i, value) in row.iter().enumerate() {
+        if i > 0 {
+            sql.push(", ");
+        }
+        sql.value(value)?;
+    }
+    sql.push(")");
     Some(sql.0)
 }
 
@@ -48,6 +44,18 @@ pub(crate) fn claim_statement(r: &NewRecord) -> Option<String> {
 struct Literals(String);
 
 impl Literals {
+    /// `value` as a literal; `None` for text with a NUL.
+    fn value(&mut self, value: &Value<'_>) -> Option<&mut Self> {
+        Some(match value {
+            Value::Null => self.push("NULL"),
+            Value::Int(n) => self.int(*n),
+            Value::Text(text) => self.text(text)?,
+            Value::Bytes(bytes) => self.bytes(bytes),
+            Value::Owned(bytes) => self.bytes(bytes),
+            Value::Parts(parts) => self.bytes(parts),
+        })
+    }
+
     fn push(&mut self, sql: &str) -> &mut Self {
         self.0.push_str(sql);
         self
@@ -82,24 +90,10 @@ impl Literals {
         self
     }
 
-    fn opt_bytes(&mut self, bytes: Option<&[u8]>) -> &mut Self {
-        match bytes {
-            Some(bytes) => self.bytes(bytes),
-            None => self.push("NULL"),
-        }
-    }
-
     fn int(&mut self, n: i64) -> &mut Self {
         use std::fmt::Write as _;
         let _ = write!(self.0, "{n}");
         self
-    }
-
-    fn opt_int(&mut self, n: Option<i64>) -> &mut Self {
-        match n {
-            Some(n) => self.int(n),
-            None => self.push("NULL"),
-        }
     }
 }
 
@@ -148,12 +142,13 @@ pub(crate) fn is_fenced(changed: &[u64], e: &sqlx::Error) -> bool {
 mod tests {
     use proptest::prelude::*;
     use rusqlite::Connection;
-    use rusqlite::types::Value;
+    use rusqlite::types::Value as Read;
 
     use super::Literals;
+    use crate::params::Value;
 
     /// What SQLite reads `literal` as.
-    fn read(literal: &str) -> Value {
+    fn read(literal: &str) -> Read {
         let conn = Connection::open_in_memory().unwrap();
         conn.query_row(&format!("SELECT {literal}"), [], |r| r.get(0))
             .unwrap()
@@ -169,7 +164,7 @@ mod tests {
     fn extreme_integers_are_read_back_as_written() {
         for n in [i64::MIN, -1, 0, i64::MAX] {
             let literal = literal(|sql| Some(sql.int(n))).unwrap();
-            assert_eq!(read(&literal), Value::Integer(n), "{literal}");
+            assert_eq!(read(&literal), Read::Integer(n), "{literal}");
         }
     }
 
@@ -178,8 +173,8 @@ mod tests {
         /// NUL is refused rather than cut short.
         #[test]
         fn text_is_read_back_as_written(text in any::<String>()) {
-            match literal(|sql| sql.text(&text)) {
-                Some(literal) => prop_assert_eq!(read(&literal), Value::Text(text)),
+            match literal(|sql| sql.value(&Value::Text(&text))) {
+                Some(literal) => prop_assert_eq!(read(&literal), Read::Text(text)),
                 None => prop_assert!(text.contains('\0')),
             }
         }
@@ -187,20 +182,20 @@ mod tests {
         /// Text made of quotes and the characters around them, which the escaping is about.
         #[test]
         fn quoted_text_is_read_back_as_written(text in "[\'\"; a\\-]{0,40}") {
-            let literal = literal(|sql| sql.text(&text)).unwrap();
-            prop_assert_eq!(read(&literal), Value::Text(text));
+            let literal = literal(|sql| sql.value(&Value::Text(&text))).unwrap();
+            prop_assert_eq!(read(&literal), Read::Text(text));
         }
 
         #[test]
         fn bytes_are_read_back_as_written(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
-            let literal = literal(|sql| Some(sql.opt_bytes(Some(&bytes)))).unwrap();
-            prop_assert_eq!(read(&literal), Value::Blob(bytes));
+            let literal = literal(|sql| sql.value(&Value::Bytes(&bytes))).unwrap();
+            prop_assert_eq!(read(&literal), Read::Blob(bytes));
         }
 
         #[test]
         fn integers_are_read_back_as_written(n in any::<Option<i64>>()) {
-            let literal = literal(|sql| Some(sql.opt_int(n))).unwrap();
-            prop_assert_eq!(read(&literal), n.map_or(Value::Null, Value::Integer));
+            let literal = literal(|sql| sql.value(&n.map_or(Value::Null, Value::Int))).unwrap();
+            prop_assert_eq!(read(&literal), n.map_or(Read::Null, Read::Integer));
         }
     }
 }

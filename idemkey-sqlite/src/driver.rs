@@ -167,6 +167,12 @@ impl Row for (i64,) {
     }
 }
 
+impl Row for (i64, Vec<u8>) {
+    fn read(row: &rusqlite::Row<'_>) -> rusqlite::Result<Self> {
+        Ok((row.get(0)?, row.get(1)?))
+    }
+}
+
 impl Row for (i64, i64, Option<i64>) {
     fn read(row: &rusqlite::Row<'_>) -> rusqlite::Result<Self> {
         Ok((row.get(0)?, row.get(1)?, row.get(2)?))

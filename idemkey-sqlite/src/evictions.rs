@@ -1,13 +1,16 @@
 //! Evictions announced by other processes on the same file (an operator's `idemkey keys
 //! evict`), followed by polling `idemkey_evictions`: SQLite has no `LISTEN`. Both SQLite
 //! stores write the announcement on the eviction's transaction and follow the table with
-//! [`follow`], each reading it through its own driver ([`Evictions`]).
+//! [`follow`], each reading it through its own driver's adapter ([`Evictions`]).
 
 use std::collections::VecDeque;
 use std::future::Future;
 use std::time::Duration;
 
 use idemkey_core::{EvictionNotice, EvictionNotices, StoreError};
+
+use crate::driver::Driver;
+use crate::params::Value;
 
 /// How often a process looks for evictions another process announced (an operator's
 /// `idemkey keys evict`): an evicted answer stops being replayed from memory within about
@@ -24,7 +27,21 @@ pub(crate) const NEWEST: &str = "SELECT COALESCE(MAX(seq), 0) FROM idemkey_evict
 pub(crate) const AFTER: &str = "SELECT seq, record_digest FROM idemkey_evictions WHERE seq > ?1
   ORDER BY seq LIMIT 1000";
 
-/// How a store reads `idemkey_evictions` ([`NEWEST`], [`AFTER`]).
+/// The newest sequence number (0 when there is none), read on `conn`.
+pub(crate) async fn newest(conn: &mut impl Driver) -> Result<i64, StoreError> {
+    let row: Option<(i64,)> = conn.fetch_optional(NEWEST, []).await?;
+    Ok(row.map_or(0, |(seq,)| seq))
+}
+
+/// The sequence numbers and record digests after `seq`, oldest first, read on `conn`.
+pub(crate) async fn after(
+    conn: &mut impl Driver,
+    seq: i64,
+) -> Result<Vec<(i64, Vec<u8>)>, StoreError> {
+    conn.fetch_all(AFTER, [Value::Int(seq)]).await
+}
+
+/// How a store lends a connection to read `idemkey_evictions` ([`newest`], [`after`]).
 pub(crate) trait Evictions: Send + 'static {
     /// The newest sequence number (0 when there is none).
     fn newest(&self) -> impl Future<Output = Result<i64, StoreError>> + Send;

@@ -15,7 +15,7 @@ use sqlx::sqlite::SqliteArguments;
 
 use crate::SqliteStore;
 use crate::driver::arguments;
-use crate::params::{self, Value};
+use crate::params;
 use crate::store::error;
 
 /// External mode's grouped writes: one group of each kind at a time. The writer takes them
@@ -144,38 +144,7 @@ impl WritesGroups for SqliteStore {
         let args = (|| {
             let mut args = SqliteArguments::default();
             for r in rows {
-                // The claim's `INSERT` writes token 1 and `now` twice (`sql::INSERT`).
-                let [
-                    tenant,
-                    key,
-                    route,
-                    fp,
-                    parts,
-                    state,
-                    lease,
-                    now,
-                    expires,
-                    sealed,
-                    members,
-                    first,
-                ] = params::record(r);
-                let row = [
-                    tenant,
-                    key,
-                    route,
-                    fp,
-                    parts,
-                    state,
-                    Value::Int(1),
-                    lease,
-                    now.clone(),
-                    now,
-                    expires,
-                    sealed,
-                    members,
-                    first,
-                ];
-                arguments(row, &mut args)?;
+                arguments(params::inserted_row(r), &mut args)?;
             }
             Ok(args)
         })();

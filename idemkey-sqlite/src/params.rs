@@ -45,6 +45,42 @@ pub(crate) fn record(r: &NewRecord) -> [Value<'_>; 12] {
     ]
 }
 
+/// The fourteen columns a claim's `INSERT` writes, in the order it names them: the record's
+/// values with token 1, and `now` as both creation and update time. For the statements that
+/// write whole rows (a group's `INSERT`, the claim written as literals).
+pub(crate) fn inserted_row(r: &NewRecord) -> [Value<'_>; 14] {
+    let [
+        tenant,
+        key,
+        route,
+        fp,
+        parts,
+        state,
+        lease,
+        now,
+        expires,
+        sealed,
+        members,
+        first,
+    ] = record(r);
+    [
+        tenant,
+        key,
+        route,
+        fp,
+        parts,
+        state,
+        Value::Int(1),
+        lease,
+        now.clone(),
+        now,
+        expires,
+        sealed,
+        members,
+        first,
+    ]
+}
+
 /// `REPLACE`'s values: the record's, then the token it must still carry (`?13`).
 pub(crate) fn replace(r: &NewRecord, token: i64) -> [Value<'_>; 13] {
     let [a, b, c, d, e, f, g, h, i, j, k, l] = record(r);

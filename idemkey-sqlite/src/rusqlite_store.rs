@@ -19,7 +19,7 @@ use idemkey_core::{
     AuditEntry, EvictionNotices, Inserted, ListFilter, NewRecord, Purged, Record, RecordId, Store,
     StoreAdmin, StoreError, StoredResponse, Timestamp,
 };
-use rusqlite::{Connection, params};
+use rusqlite::Connection;
 
 use crate::evictions::{self, Evictions};
 use crate::rusqlite_connection::IdleOrWriter;
@@ -231,14 +231,16 @@ impl StoreAdmin for RusqliteStore {
 /// Reads through an idle connection of the store's, outside the writer's turn.
 impl Evictions for RusqliteStore {
     async fn newest(&self) -> Result<i64, StoreError> {
-        self.with_connection(|c| c.query_row(evictions::NEWEST, [], |r| r.get(0)))
+        let mut conn = self.shared.idle_connection()?;
+        let newest = evictions::newest(&mut conn).await;
+        self.shared.give_back(conn);
+        newest
     }
 
     async fn after(&self, seq: i64) -> Result<Vec<(i64, Vec<u8>)>, StoreError> {
-        self.with_connection(|c| {
-            c.prepare_cached(evictions::AFTER)?
-                .query_map(params![seq], |r| Ok((r.get(0)?, r.get(1)?)))?
-                .collect()
-        })
+        let mut conn = self.shared.idle_connection()?;
+        let after = evictions::after(&mut conn, seq).await;
+        self.shared.give_back(conn);
+        after
     }
 }

@@ -27,20 +27,16 @@ fn result_code(code: &str) -> Code {
     }
 }
 
+/// Reads through a connection from the pool.
 impl Evictions for SqlitePool {
     async fn newest(&self) -> Result<i64, StoreError> {
-        sqlx::query_scalar(evictions::NEWEST)
-            .fetch_one(self)
-            .await
-            .map_err(error)
+        let mut conn = self.acquire().await.map_err(error)?;
+        evictions::newest(&mut *conn).await
     }
 
     async fn after(&self, seq: i64) -> Result<Vec<(i64, Vec<u8>)>, StoreError> {
-        sqlx::query_as(evictions::AFTER)
-            .bind(seq)
-            .fetch_all(self)
-            .await
-            .map_err(error)
+        let mut conn = self.acquire().await.map_err(error)?;
+        evictions::after(&mut *conn, seq).await
     }
 }
 

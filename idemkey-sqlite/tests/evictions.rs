@@ -1,0 +1,54 @@
+//! Evictions announced on one store reach another store on the same file, on both SQLite
+//! stores: each writes the announcement with the eviction and follows the table.
+
+use futures::StreamExt;
+use idemkey_core::{EvictionNotice, Store};
+use idemkey_sqlite::{RusqliteStore, SqliteStore};
+use idemkey_testkit::conformance::record_id;
+
+/// `follower` says it listens, then `announcer` evicts a record (and announces it on the
+/// eviction's transaction): `follower` hands out that record's digest.
+async fn an_announced_eviction_reaches_the_follower<S: Store, T: Store>(
+    follower: &S,
+    announcer: &T,
+) {
+    let mut notices = follower
+        .eviction_notices()
+        .expect("a SQLite store follows evictions");
+    assert_eq!(notices.next().await, Some(EvictionNotice::Listening));
+
+    let id = record_id("t1", "/v1/payments", "k-evicted");
+    let mut tx = announcer.begin().await.unwrap();
+    announcer.evict(&mut tx, &id).await.unwrap();
+    announcer.notify_evicted(&mut tx, &id).await.unwrap();
+    announcer.commit(tx).await.unwrap();
+
+    assert_eq!(
+        notices.next().await,
+        Some(EvictionNotice::Evicted(id.digest()))
+    );
+}
+
+#[tokio::test]
+async fn an_eviction_reaches_a_sqlx_store_from_a_rusqlite_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("evictions.db");
+    let sqlx = SqliteStore::connect(&format!("sqlite:{}", path.display()))
+        .await
+        .unwrap();
+    sqlx.migrate().await.unwrap();
+    let rusqlite = RusqliteStore::open(&path).unwrap();
+    an_announced_eviction_reaches_the_follower(&sqlx, &rusqlite).await;
+}
+
+#[tokio::test]
+async fn an_eviction_reaches_a_rusqlite_store_from_a_sqlx_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("evictions.db");
+    let sqlx = SqliteStore::connect(&format!("sqlite:{}", path.display()))
+        .await
+        .unwrap();
+    sqlx.migrate().await.unwrap();
+    let rusqlite = RusqliteStore::open(&path).unwrap();
+    an_announced_eviction_reaches_the_follower(&rusqlite, &sqlx).await;
+}
