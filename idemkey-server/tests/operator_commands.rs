@@ -500,8 +500,7 @@ async fn sqlite_tables(path: &Path) -> Vec<String> {
 
 /// Stores a completed record of `key` for tenant `t1` claimed at `now`, as an application's
 /// own layer would (its retention is a day).
-async fn complete_one(store: &idemkey_sqlite::SqliteStore, key: &str, now: Timestamp) {
-    use idemkey_core::Store;
+async fn complete_one<S: idemkey_core::Store>(store: &S, key: &str, now: Timestamp) {
     use idemkey_core::protocol::{self, ClaimOutcome};
     let hasher = KeyHasher::new(SECRET.as_bytes());
     let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
@@ -620,4 +619,37 @@ async fn the_gateway_creates_idemkeys_tables_and_none_of_the_payments_api() {
     );
     assert!(listed.status.success(), "{}", stderr(&listed));
     assert!(String::from_utf8_lossy(&listed.stdout).contains("(0 records)"));
+}
+
+#[tokio::test]
+async fn keys_commands_work_on_a_postgres_database_with_only_idemkeys_tables() {
+    let url = idemkey_testkit::fresh_database_url();
+    let store = idemkey_postgres::PgStore::connect(&url, 2).await.unwrap();
+    store.migrate().await.unwrap();
+    complete_one(&store, "k-fresh", Timestamp::now()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--database-url", &url, "--key-secret", SECRET]);
+        idemkey(dir.path(), &all)
+    };
+    let listed = db(&["keys", "list", "--json"]);
+    assert!(listed.status.success(), "{}", stderr(&listed));
+    assert_eq!(String::from_utf8_lossy(&listed.stdout).lines().count(), 1);
+    let shown = db(&["keys", "show", "--tenant", "t1", "k-fresh"]);
+    assert!(shown.status.success(), "{}", stderr(&shown));
+    let view: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(view["state"], "completed");
+    let purged = db(&["keys", "purge"]);
+    assert!(purged.status.success(), "{}", stderr(&purged));
+    assert!(String::from_utf8_lossy(&purged.stdout).contains("purged 0 expired records"));
+
+    let added: Vec<String> = sqlx::query_scalar(
+        "SELECT tablename::text FROM pg_tables WHERE schemaname = 'public' \
+         AND tablename IN ('server_settings', 'payments', 'ledger_entries')",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(added, Vec::<String>::new(), "no table was added");
 }
