@@ -1,5 +1,6 @@
 //! The payments API's own SQL, per backend. The idempotency records are the store's; these
-//! are the effects the layer protects.
+//! are the effects the layer protects. What the gateway and the operator commands need as
+//! well (settings, health, idemkey's migrations) is [`GatewayDb`], which [`AppDb`] extends.
 
 use std::future::Future;
 use std::path::Path;
@@ -13,6 +14,8 @@ use serde::Serialize;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::PgConnection;
 use sqlx::sqlite::SqliteConnection;
+
+use crate::gateway::{GatewayDb, sqlite_url};
 
 /// Makes sure the SQLite file at `path` is readable by its owner only before SQLite opens
 /// it: it keeps the idempotency records and, by default, the key secret. A missing file is
@@ -89,25 +92,9 @@ pub enum PaymentWrite {
     },
 }
 
-/// A store that also holds the payments tables.
-pub trait AppDb: StoreAdmin + OutboxStore {
-    /// Whether the database is embedded in the server (SQLite), where keeping the key secret
-    /// in the database is the default for convenience.
-    const EMBEDDED: bool;
-
-    /// The tables a database needs before an operator command may use it (idemkey's and
-    /// the payments API's), which are missing here: none once `idemkey migrate` (or `serve`)
-    /// ran.
-    fn missing_tables(&self) -> impl Future<Output = anyhow::Result<Vec<&'static str>>> + Send;
-
-    /// Reads the setting `name`, if it is set; never writes.
-    fn setting(&self, name: &str) -> impl Future<Output = anyhow::Result<Option<Vec<u8>>>> + Send;
-
-    /// One round trip to the database (`SELECT 1`), for the health check. On PostgreSQL a
-    /// pooled connection the server dropped meanwhile is skipped, as `begin` does.
-    fn ping(&self) -> impl Future<Output = anyhow::Result<()>> + Send;
-
-    /// Runs idemkey's migrations and the payments API's.
+/// A store that also holds the payments tables: what `idemkey serve` runs on.
+pub trait AppDb: GatewayDb + OutboxStore {
+    /// Runs idemkey's migrations, the settings' and the payments API's.
     fn migrate_all(&self) -> impl Future<Output = anyhow::Result<()>> + Send;
 
     /// Writes a payment and its ledger entry on `conn` (the claim's transaction), unless the
@@ -131,23 +118,7 @@ pub trait AppDb: StoreAdmin + OutboxStore {
         tenant: &str,
         limit: i64,
     ) -> impl Future<Output = anyhow::Result<(Vec<Payment>, i64)>> + Send;
-
-    /// Reads the setting `name`, first storing `value` if it has none. Every instance on
-    /// the database gets the same answer.
-    fn setting_or_init(
-        &self,
-        name: &str,
-        value: &[u8],
-    ) -> impl Future<Output = anyhow::Result<Vec<u8>>> + Send;
 }
-
-/// The tables [`AppDb::missing_tables`] looks for.
-const REQUIRED_TABLES: [&str; 4] = [
-    "idemkey_records",
-    "idemkey_audit",
-    "idemkey_outbox",
-    "server_settings",
-];
 
 static SQLITE_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/sqlite");
 static PG_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/postgres");
@@ -155,11 +126,6 @@ static PG_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/postgres");
 /// The payments API's SQL on SQLite, run through sqlx by [`SqliteStore`] and through
 /// rusqlite by [`RusqliteStore`], with the same `?N` parameters.
 mod sqlite_sql {
-    pub(super) const TABLE_EXISTS: &str =
-        "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1";
-    pub(super) const SETTING: &str = "SELECT value FROM server_settings WHERE name = ?1";
-    pub(super) const INIT_SETTING: &str =
-        "INSERT INTO server_settings (name, value) VALUES (?1, ?2) ON CONFLICT DO NOTHING";
     /// The payment, `?1`–`?9` in the order of the `payments` table; nothing when the
     /// tenant's reference is taken.
     macro_rules! insert_payment {
@@ -194,38 +160,10 @@ mod sqlite_sql {
 }
 
 impl AppDb for SqliteStore {
-    const EMBEDDED: bool = true;
-
-    async fn missing_tables(&self) -> anyhow::Result<Vec<&'static str>> {
-        let mut missing = Vec::new();
-        for table in REQUIRED_TABLES {
-            let found: i64 = sqlx::query_scalar(sqlite_sql::TABLE_EXISTS)
-                .bind(table)
-                .fetch_one(self.pool())
-                .await?;
-            if found == 0 {
-                missing.push(table);
-            }
-        }
-        Ok(missing)
-    }
-
-    async fn setting(&self, name: &str) -> anyhow::Result<Option<Vec<u8>>> {
-        Ok(sqlx::query_scalar(sqlite_sql::SETTING)
-            .bind(name)
-            .fetch_optional(self.pool())
-            .await?)
-    }
-
-    async fn ping(&self) -> anyhow::Result<()> {
-        sqlx::query("SELECT 1").execute(self.pool()).await?;
-        Ok(())
-    }
-
     async fn migrate_all(&self) -> anyhow::Result<()> {
-        self.migrate().await?;
+        // The payments API's first, whose first migration makes the settings' table too.
         SQLITE_APP_MIGRATIONS.run(self.pool()).await?;
-        Ok(())
+        self.migrate_gateway().await
     }
 
     async fn insert_payment(
@@ -268,18 +206,6 @@ impl AppDb for SqliteStore {
             .await?;
         Ok((data, total))
     }
-
-    async fn setting_or_init(&self, name: &str, value: &[u8]) -> anyhow::Result<Vec<u8>> {
-        sqlx::query(sqlite_sql::INIT_SETTING)
-            .bind(name)
-            .bind(value)
-            .execute(self.pool())
-            .await?;
-        Ok(sqlx::query_scalar(sqlite_sql::SETTING)
-            .bind(name)
-            .fetch_one(self.pool())
-            .await?)
-    }
 }
 
 /// A payment's columns as rusqlite parameters `?1`–`?9`, in the order of the table.
@@ -312,41 +238,14 @@ fn payment_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Payment> {
 }
 
 impl AppDb for RusqliteStore {
-    const EMBEDDED: bool = true;
-
-    async fn missing_tables(&self) -> anyhow::Result<Vec<&'static str>> {
-        Ok(self.with_connection(|c| {
-            let mut exists = c.prepare_cached(sqlite_sql::TABLE_EXISTS)?;
-            let mut missing = Vec::new();
-            for table in REQUIRED_TABLES {
-                if exists.query_row([table], |r| r.get::<_, i64>(0))? == 0 {
-                    missing.push(table);
-                }
-            }
-            Ok(missing)
-        })?)
-    }
-
-    async fn setting(&self, name: &str) -> anyhow::Result<Option<Vec<u8>>> {
-        Ok(self.with_connection(|c| {
-            c.query_row(sqlite_sql::SETTING, [name], |r| r.get(0))
-                .optional()
-        })?)
-    }
-
-    async fn ping(&self) -> anyhow::Result<()> {
-        Ok(self.with_connection(|c| c.query_row("SELECT 1", [], |_| Ok(())))?)
-    }
-
     async fn migrate_all(&self) -> anyhow::Result<()> {
-        self.migrate().await?;
         // The payments API's migrations are sqlx's, as on `SqliteStore`, through a
-        // short-lived sqlx connection to the same file.
-        let url = format!("sqlite:{}", self.path().display());
-        let sqlx = SqliteStore::connect(&url).await?;
+        // short-lived sqlx connection to the same file; they come first, as there.
+        let sqlx = SqliteStore::connect(&sqlite_url(self)).await?;
         let migrated = SQLITE_APP_MIGRATIONS.run(sqlx.pool()).await;
         sqlx.pool().close().await;
-        Ok(migrated?)
+        migrated?;
+        self.migrate_gateway().await
     }
 
     async fn insert_payment(
@@ -388,68 +287,13 @@ impl AppDb for RusqliteStore {
             Ok((data, total))
         })?)
     }
-
-    async fn setting_or_init(&self, name: &str, value: &[u8]) -> anyhow::Result<Vec<u8>> {
-        Ok(self.with_connection(|c| {
-            c.execute(sqlite_sql::INIT_SETTING, rusqlite::params![name, value])?;
-            c.query_row(sqlite_sql::SETTING, [name], |r| r.get(0))
-        })?)
-    }
 }
 
 impl AppDb for PgStore {
-    const EMBEDDED: bool = false;
-
-    async fn missing_tables(&self) -> anyhow::Result<Vec<&'static str>> {
-        let mut missing = Vec::new();
-        let mut conn = PgReader::new(self).await?;
-        for table in REQUIRED_TABLES {
-            let found: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-                .bind(table)
-                .persistent(conn.persistent())
-                .fetch_one(&mut *conn)
-                .await?;
-            if !found {
-                missing.push(table);
-            }
-        }
-        conn.finish(self).await?;
-        Ok(missing)
-    }
-
-    async fn setting(&self, name: &str) -> anyhow::Result<Option<Vec<u8>>> {
-        let mut conn = PgReader::new(self).await?;
-        let value = sqlx::query_scalar("SELECT value FROM server_settings WHERE name = $1")
-            .bind(name)
-            .persistent(conn.persistent())
-            .fetch_optional(&mut *conn)
-            .await?;
-        conn.finish(self).await?;
-        Ok(value)
-    }
-
-    async fn ping(&self) -> anyhow::Result<()> {
-        // Connections are not pinged when handed out: after a restart the idle ones are
-        // dead, and each failed try closes one (bounded by the pool size, plus a new one).
-        // Without parameters, sqlx sends it as a simple query: one message, safe behind a
-        // pooler too.
-        let attempts = self.pool().options().get_max_connections() + 1;
-        let mut attempt = 1;
-        loop {
-            match sqlx::query("SELECT 1").execute(self.pool()).await {
-                Ok(_) => return Ok(()),
-                Err(e) if attempt < attempts && idemkey_postgres::is_connection_lost(&e) => {
-                    attempt += 1;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-
     async fn migrate_all(&self) -> anyhow::Result<()> {
-        self.migrate().await?;
+        // The payments API's first, whose first migration makes the settings' table too.
         self.migrate_with(&PG_APP_MIGRATIONS).await?;
-        Ok(())
+        self.migrate_gateway().await
     }
 
     async fn insert_payment(
@@ -524,25 +368,6 @@ impl AppDb for PgStore {
         conn.finish(self).await?;
         Ok((data, total))
     }
-
-    async fn setting_or_init(&self, name: &str, value: &[u8]) -> anyhow::Result<Vec<u8>> {
-        let mut conn = PgReader::new(self).await?;
-        sqlx::query(
-            "INSERT INTO server_settings (name, value) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-        )
-        .bind(name)
-        .bind(value)
-        .persistent(conn.persistent())
-        .execute(&mut *conn)
-        .await?;
-        let value = sqlx::query_scalar("SELECT value FROM server_settings WHERE name = $1")
-            .bind(name)
-            .persistent(conn.persistent())
-            .fetch_one(&mut *conn)
-            .await?;
-        conn.finish(self).await?;
-        Ok(value)
-    }
 }
 
 /// A connection for the payments API's statements outside a claim's transaction. sqlx
@@ -550,13 +375,13 @@ impl AppDb for PgStore {
 /// pooler in transaction mode ([`PgStore::through_pooler`]) only a transaction keeps both
 /// on one server connection, so there the statements run in one of their own, not kept
 /// prepared. Directly, a pooled connection, its statements kept prepared.
-enum PgReader {
+pub(crate) enum PgReader {
     Direct(sqlx::pool::PoolConnection<sqlx::Postgres>),
     Pooled(idemkey_postgres::PgTransaction),
 }
 
 impl PgReader {
-    async fn new(store: &PgStore) -> anyhow::Result<Self> {
+    pub(crate) async fn new(store: &PgStore) -> anyhow::Result<Self> {
         Ok(if store.through_pooler() {
             Self::Pooled(store.begin().await?)
         } else {
@@ -565,12 +390,12 @@ impl PgReader {
     }
 
     /// Whether statements on it are kept prepared (directly, not behind the pooler).
-    fn persistent(&self) -> bool {
+    pub(crate) fn persistent(&self) -> bool {
         matches!(self, Self::Direct(_))
     }
 
     /// Commits the transaction, if there is one (the statements may have written).
-    async fn finish(self, store: &PgStore) -> anyhow::Result<()> {
+    pub(crate) async fn finish(self, store: &PgStore) -> anyhow::Result<()> {
         if let Self::Pooled(tx) = self {
             store.commit(tx).await?;
         }

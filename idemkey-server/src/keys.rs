@@ -1,5 +1,7 @@
 //! `idemkey keys …`: operator commands on either store. They open an existing database
 //! ([`open_existing`](crate::open_existing)) and an existing key secret, and create neither.
+//! They need only idemkey's tables ([`GatewayDb`]): the database may be an application's own
+//! that ran idemkey's migrations and nothing of the reference server's.
 
 use std::io::Write;
 
@@ -10,8 +12,8 @@ use idemkey_core::{
     StoredResponse, Timestamp, protocol,
 };
 
-use crate::AppDb;
 use crate::cli::{KeySecretArgs, KeysCommand, StateArg};
+use crate::gateway::GatewayDb;
 use crate::secret::{KeySecrets, SecretUse, key_secrets};
 
 fn state(s: StateArg) -> RecordState {
@@ -135,7 +137,7 @@ pub fn secret_args(command: &KeysCommand) -> &KeySecretArgs {
 ///
 /// Every command needs the key secret the server uses, given or kept in the database; a
 /// missing one is an error, never a new secret.
-pub async fn run<S: AppDb>(
+pub async fn run<S: GatewayDb>(
     db: S,
     url: &str,
     command: KeysCommand,

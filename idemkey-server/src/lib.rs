@@ -55,6 +55,7 @@ pub use self::http_server::HttpLimits;
 #[doc = include_str!("../../docs/reliability.md")]
 pub struct ReadmeDoctests;
 pub use self::db::{AppDb, Payment};
+pub use self::gateway::GatewayDb;
 pub use self::secret::KeySecrets;
 pub use self::serve::{Database, ServeOptions, connect, open_existing, serve, serve_with};
 

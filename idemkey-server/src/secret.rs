@@ -11,6 +11,7 @@ use rand::RngCore;
 
 use crate::AppDb;
 use crate::cli::KeySecretArgs;
+use crate::gateway::GatewayDb;
 
 /// The `server_settings` row a database-kept secret lives in.
 const SETTING: &str = "key_hash_secret";
@@ -242,8 +243,9 @@ fn given(value: Option<&str>, file: Option<&Path>, flag: &str) -> anyhow::Result
     Ok(Some(secret))
 }
 
-/// What `serve` and `gateway` do with their database before they start: run the migrations,
-/// then read (or, where allowed, make) the key secrets they serve with.
+/// What `serve` does with its database before it starts: run the migrations, then read (or,
+/// where allowed, make) the key secrets it serves with. (`gateway` runs only idemkey's and
+/// the settings' migrations first.)
 pub async fn migrate_for_start<S: AppDb>(
     db: &S,
     url: &str,
@@ -260,7 +262,7 @@ pub async fn migrate_for_start<S: AppDb>(
 /// where allowed, and operator commands read the database-kept one or fail. The previous
 /// secret is the given one, or else, when a secret is given and the database keeps another
 /// (a secret being moved out of the database), the database-kept one.
-pub async fn key_secrets<S: AppDb>(
+pub async fn key_secrets<S: GatewayDb>(
     db: &S,
     url: &str,
     args: &KeySecretArgs,

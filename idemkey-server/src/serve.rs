@@ -22,6 +22,7 @@ use sqlx::sqlite::SqliteConnectOptions;
 use tower::ServiceExt;
 
 use crate::cli::{KeySecretArgs, OutboxArgs};
+use crate::gateway::GatewayDb;
 use crate::http_server::{self, HttpLimits};
 use crate::outbox::{OutboxSink, spawn_relay};
 use crate::problem::ApiError;
@@ -69,8 +70,9 @@ pub async fn connect(
 }
 
 /// Opens the database `url` for an operator command: it must exist and carry idemkey's
-/// tables (`idemkey serve`, `gateway` or `migrate` made them). Creates nothing: a missing
-/// SQLite file or missing tables is an error naming the URL and how to fix it.
+/// tables (`idemkey serve`, `gateway` or `migrate` made them, or an application's own run of
+/// idemkey's migrations). Creates nothing: a missing SQLite file or missing tables is an
+/// error naming the URL and how to fix it.
 pub async fn open_existing(
     url: &str,
     max_connections: u32,
@@ -96,8 +98,8 @@ pub async fn open_existing(
         .with_context(|| format!("cannot read the tables of `{shown}`"))?;
     if !missing.is_empty() {
         anyhow::bail!(
-            "`{shown}` has no idemkey tables ({} missing): it is not a database `idemkey serve` \
-             ran on; {fix}, or run `idemkey migrate --database-url …` first",
+            "`{shown}` has no idemkey tables ({} missing): idemkey's migrations did not run on \
+             it; {fix}, or run `idemkey migrate --database-url …` first",
             missing.join(", ")
         );
     }

@@ -1,9 +1,13 @@
 //! Operator commands (`idemkey keys …`) open an existing database and an existing key secret
 //! and create neither: pointed at the wrong database, they fail and leave nothing behind.
+//! They need only idemkey's tables; the gateway makes those and none of the payments API's.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use idemkey_core::{IdempotencyKey, KeyHasher, Scope, Timestamp};
 
 /// A key secret of 32 bytes, as the server asks for.
 const SECRET: &str = "0123456789abcdef0123456789abcdef";
@@ -477,4 +481,175 @@ fn sqlite_files_are_created_readable_by_their_owner_only() {
         stderr(&output)
     );
     assert_eq!(mode(&open), 0o644);
+}
+
+/// The tables of the SQLite file at `path`, sorted.
+async fn sqlite_tables(path: &Path) -> Vec<String> {
+    let url = format!("sqlite:{}", path.display());
+    let store = idemkey_sqlite::SqliteStore::connect(&url).await.unwrap();
+    let tables = sqlx::query_scalar(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' \
+         ORDER BY name",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    store.pool().close().await;
+    tables
+}
+
+/// Stores a completed record of `key` for tenant `t1` claimed at `now`, as an application's
+/// own layer would (its retention is a day).
+async fn complete_one<S: idemkey_core::Store>(store: &S, key: &str, now: Timestamp) {
+    use idemkey_core::protocol::{self, ClaimOutcome};
+    let hasher = KeyHasher::new(SECRET.as_bytes());
+    let key = IdempotencyKey::parse(key.as_bytes()).unwrap();
+    let id = hasher.record_id(&Scope::new("t1", "POST", "/v1/orders"), &key);
+    let claim = idemkey_testkit::conformance::claim_at(&id, 1, now);
+    let (tx, outcome) = protocol::begin_claim(store, &claim, None).await.unwrap();
+    let mut tx = tx.expect("the claim got its lock");
+    let ClaimOutcome::Owned { token, .. } = outcome else {
+        panic!("a fresh key is owned: {outcome:?}");
+    };
+    let response = idemkey_testkit::conformance::response(r#"{"id":"order-1"}"#);
+    protocol::complete(store, &mut tx, &id, token, &response)
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+}
+
+#[tokio::test]
+async fn keys_commands_work_on_a_database_with_only_idemkeys_tables() {
+    // An application's own database: its own table, and idemkey's migrations, nothing of
+    // the reference server's (no payments, no settings).
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("own.db");
+    let store = idemkey_sqlite::SqliteStore::connect(&format!("sqlite:{}", path.display()))
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    sqlx::query("CREATE TABLE orders (id TEXT PRIMARY KEY)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    complete_one(&store, "k-fresh", Timestamp::now()).await;
+    let two_days_ago = Timestamp::now().minus(Duration::from_secs(2 * 24 * 3600));
+    complete_one(&store, "k-expired", two_days_ago).await;
+    store.pool().close().await;
+    let before = sqlite_tables(&path).await;
+    assert!(!before.iter().any(|t| t == "server_settings"), "{before:?}");
+
+    let db = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--database-url", "sqlite:own.db", "--key-secret", SECRET]);
+        idemkey(dir.path(), &all)
+    };
+    let listed = db(&["keys", "list", "--json"]);
+    assert!(listed.status.success(), "{}", stderr(&listed));
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines.iter().all(|r| r["route"] == "POST /v1/orders"));
+
+    let shown = db(&["keys", "show", "--tenant", "t1", "k-fresh"]);
+    assert!(shown.status.success(), "{}", stderr(&shown));
+    let view: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(view["state"], "completed");
+    assert_eq!(view["response_status"], 201);
+    assert_eq!(view["expired"], false);
+
+    let purged = db(&["keys", "purge"]);
+    assert!(purged.status.success(), "{}", stderr(&purged));
+    let out = String::from_utf8_lossy(&purged.stdout);
+    assert!(out.contains("purged 1 expired record"), "{out}");
+    let listed = db(&["keys", "list", "--json"]);
+    assert_eq!(String::from_utf8_lossy(&listed.stdout).lines().count(), 1);
+
+    assert_eq!(sqlite_tables(&path).await, before, "no table was added");
+}
+
+#[tokio::test]
+async fn the_gateway_creates_idemkeys_tables_and_none_of_the_payments_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idemkey"))
+        .args([
+            "gateway",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--single-tenant",
+            "all",
+            "--database-url",
+            "sqlite:gw.db",
+        ])
+        .current_dir(dir.path())
+        .env_remove("IDEMKEY_DATABASE_URL")
+        .env_remove("IDEMKEY_KEY_SECRET")
+        .env_remove("IDEMKEY_PREVIOUS_KEY_SECRET")
+        .env_remove("IDEMKEY_API_KEYS")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start idemkey gateway");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let listening = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .any(|line| line.starts_with("idemkey gateway listening on "));
+    child.kill().expect("stop idemkey gateway");
+    child.wait().expect("reap idemkey gateway");
+    assert!(listening, "idemkey gateway did not start");
+
+    let tables = sqlite_tables(&dir.path().join("gw.db")).await;
+    for table in ["idemkey_records", "idemkey_audit", "server_settings"] {
+        assert!(tables.iter().any(|t| t == table), "{table}: {tables:?}");
+    }
+    for table in ["payments", "ledger_entries", "_sqlx_migrations"] {
+        assert!(!tables.iter().any(|t| t == table), "{table}: {tables:?}");
+    }
+
+    // The operator commands read the secret the gateway keeps there.
+    let listed = idemkey(
+        dir.path(),
+        &["keys", "list", "--database-url", "sqlite:gw.db"],
+    );
+    assert!(listed.status.success(), "{}", stderr(&listed));
+    assert!(String::from_utf8_lossy(&listed.stdout).contains("(0 records)"));
+}
+
+#[tokio::test]
+async fn keys_commands_work_on_a_postgres_database_with_only_idemkeys_tables() {
+    let url = idemkey_testkit::fresh_database_url();
+    let store = idemkey_postgres::PgStore::connect(&url, 2).await.unwrap();
+    store.migrate().await.unwrap();
+    complete_one(&store, "k-fresh", Timestamp::now()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--database-url", &url, "--key-secret", SECRET]);
+        idemkey(dir.path(), &all)
+    };
+    let listed = db(&["keys", "list", "--json"]);
+    assert!(listed.status.success(), "{}", stderr(&listed));
+    assert_eq!(String::from_utf8_lossy(&listed.stdout).lines().count(), 1);
+    let shown = db(&["keys", "show", "--tenant", "t1", "k-fresh"]);
+    assert!(shown.status.success(), "{}", stderr(&shown));
+    let view: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(view["state"], "completed");
+    let purged = db(&["keys", "purge"]);
+    assert!(purged.status.success(), "{}", stderr(&purged));
+    assert!(String::from_utf8_lossy(&purged.stdout).contains("purged 0 expired records"));
+
+    let added: Vec<String> = sqlx::query_scalar(
+        "SELECT tablename::text FROM pg_tables WHERE schemaname = 'public' \
+         AND tablename IN ('server_settings', 'payments', 'ledger_entries')",
+    )
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(added, Vec::<String>::new(), "no table was added");
 }

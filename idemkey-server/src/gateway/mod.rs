@@ -18,6 +18,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
 use axum::Router;
 use axum::extract::{Request, State};
 use axum::middleware::{Next, from_fn_with_state};
@@ -29,18 +30,21 @@ use idemkey_tower::{
     IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, SystemClock, Tenant,
 };
 
+use crate::ApiKeys;
 use crate::cli::{GatewayArgs, InFlight, KeySecretArgs, PointOfNoReturn};
 use crate::http_server::{self, HttpLimits};
-use crate::secret::{KeySecrets, migrate_for_start};
+use crate::secret::{KeySecrets, SecretUse, key_secrets};
 use crate::serve::shutdown_signal;
-use crate::{ApiKeys, AppDb};
 
+mod db;
 mod proxy;
 mod reconciler;
 mod rejection;
 mod seal;
 mod upstream;
 
+pub use self::db::GatewayDb;
+pub(crate) use self::db::sqlite_url;
 pub use self::rejection::GatewayRejection;
 
 pub(crate) use self::seal::KeySealer;
@@ -437,7 +441,7 @@ impl<S> std::ops::Deref for Gateway<S> {
 }
 
 /// The tenant of every request, from the source the operator named (401 without one).
-async fn authenticate<S: AppDb>(
+async fn authenticate<S: GatewayDb>(
     State(gw): State<Gateway<S>>,
     mut req: Request,
     next: Next,
@@ -451,7 +455,7 @@ async fn authenticate<S: AppDb>(
     }
 }
 
-fn router<S: AppDb>(gw: Gateway<S>) -> Router {
+fn router<S: GatewayDb>(gw: Gateway<S>) -> Router {
     let metrics = gw.metrics.clone();
     let proxied = Router::new()
         .fallback(proxy::handle::<S>)
@@ -482,7 +486,7 @@ fn router<S: AppDb>(gw: Gateway<S>) -> Router {
 /// reconciler that [`gateway`] runs beside them: `/healthz`, `/metrics`, the status resource,
 /// and every other request (authenticated) forwarded to the upstream, the keyed routes
 /// through the layer's external mode. The database must be migrated.
-pub fn app<S: AppDb>(
+pub fn app<S: GatewayDb>(
     db: S,
     secrets: &KeySecrets,
     metrics: Metrics,
@@ -492,7 +496,7 @@ pub fn app<S: AppDb>(
 }
 
 /// The gateway's state: keys hashed and sealed with `secrets`, a layer per route rule.
-fn build<S: AppDb>(
+fn build<S: GatewayDb>(
     db: S,
     secrets: &KeySecrets,
     metrics: Metrics,
@@ -538,14 +542,19 @@ fn build<S: AppDb>(
     }))
 }
 
-/// Migrates, then proxies until SIGTERM or Ctrl-C, with the purge and (when configured) the
+/// Runs idemkey's migrations and the settings' (none of the payments API's), then proxies
+/// until SIGTERM or Ctrl-C, with the purge and (when configured) the
 /// reconciler running beside it.
-pub async fn gateway<S: AppDb>(db: S, options: GatewayOptions) -> anyhow::Result<()> {
-    let secrets = migrate_for_start(
+pub async fn gateway<S: GatewayDb>(db: S, options: GatewayOptions) -> anyhow::Result<()> {
+    // idemkey's tables and the settings', none of the payments API's.
+    db.migrate_gateway().await.context("migrations failed")?;
+    let secrets = key_secrets(
         &db,
         &options.database_url,
         &options.secret,
-        options.key_secret_in_database,
+        SecretUse::Start {
+            in_database: options.key_secret_in_database,
+        },
     )
     .await?;
     let metrics = Metrics::new();

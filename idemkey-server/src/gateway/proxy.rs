@@ -23,9 +23,9 @@ use idemkey_tower::{
 };
 use tower::{Layer, ServiceExt};
 
+use super::GatewayDb;
 use super::upstream::Connections;
 use super::{Gateway, GatewayOptions, GatewayRejection, RouteRule};
-use crate::AppDb;
 
 /// What forwarding needs: the options, and the connections kept to the upstream.
 #[derive(Debug)]
@@ -49,7 +49,7 @@ impl Forwarder {
 }
 
 /// The service of one keyed route: the layer's external mode around [`forward_keyed`].
-pub(super) fn keyed_route<S: AppDb>(
+pub(super) fn keyed_route<S: GatewayDb>(
     layer: IdempotencyLayer<S>,
     forwarder: Arc<Forwarder>,
 ) -> axum::Router {
@@ -58,7 +58,7 @@ pub(super) fn keyed_route<S: AppDb>(
 }
 
 /// Every request that is not the gateway's own.
-pub(super) async fn handle<S: AppDb>(State(gw): State<Gateway<S>>, req: Request) -> Response {
+pub(super) async fn handle<S: GatewayDb>(State(gw): State<Gateway<S>>, req: Request) -> Response {
     let rule = if is_safe(req.method()) {
         None
     } else {
@@ -83,7 +83,7 @@ pub(super) async fn handle<S: AppDb>(State(gw): State<Gateway<S>>, req: Request)
 /// The layer's handler on keyed routes: the request is reserved and the lease renewed; this
 /// forwards it, marking the point of no return once a connection to the upstream is open and
 /// ready, just before the request is written.
-async fn forward_keyed<S: AppDb>(
+async fn forward_keyed<S: GatewayDb>(
     State(forwarder): State<Arc<Forwarder>>,
     op: External<S>,
     req: Request,

@@ -37,7 +37,7 @@ use idemkey_core::{
 use idemkey_tower::Reconciled;
 
 use super::Gateway;
-use crate::AppDb;
+use super::GatewayDb;
 
 /// Records asked about per round, at most.
 const BATCH: usize = 100;
@@ -92,7 +92,7 @@ struct Reconciler<S> {
 }
 
 /// Runs a round every `every`, forever, on `clock`'s time.
-pub(super) async fn run<S: AppDb>(
+pub(super) async fn run<S: GatewayDb>(
     gw: Gateway<S>,
     template: String,
     every: Duration,
@@ -130,7 +130,10 @@ pub(super) async fn run<S: AppDb>(
 }
 
 /// Every record whose outcome is unknown at `now`, oldest first.
-async fn unknown_records<S: AppDb>(gw: &Gateway<S>, now: Timestamp) -> anyhow::Result<Vec<Record>> {
+async fn unknown_records<S: GatewayDb>(
+    gw: &Gateway<S>,
+    now: Timestamp,
+) -> anyhow::Result<Vec<Record>> {
     let mut conn = gw.store.acquire().await?;
     let mut seen = HashSet::new();
     let mut records = Vec::new();
@@ -215,7 +218,7 @@ async fn read_bounded(
     Ok(Some(body))
 }
 
-impl<S: AppDb> Reconciler<S> {
+impl<S: GatewayDb> Reconciler<S> {
     /// One round: asks the upstream about the oldest records whose outcome is unknown and
     /// that are due.
     async fn round(&mut self) -> anyhow::Result<()> {
