@@ -110,7 +110,7 @@ async fn setup_with(
         .answers(answers)
         .metrics(metrics.clone());
     let app = Router::new()
-        .route("/transfers", post(transfer).layer(layer))
+        .route("/transfers", post(layer.handler(transfer)))
         .with_state(bank.clone());
     (dir, store, bank, app, metrics)
 }

@@ -25,7 +25,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::{Method, header};
 use idemkey_core::{AnswerRule, FirstSentPolicy, SystemClock};
-use idemkey_tower::{IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
+use idemkey_tower::{
+    IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant, mode,
+};
 
 use crate::cli::{GatewayArgs, InFlight, KeySecretArgs, PointOfNoReturn};
 use crate::http_server::{self, HttpLimits};
@@ -394,7 +396,7 @@ struct Inner<S> {
     /// the forwarding handler.
     keyed: Vec<Router>,
     /// Per route rule (same order): that layer, for what it stores with an answer.
-    layers: Vec<IdempotencyLayer<S>>,
+    layers: Vec<IdempotencyLayer<S, mode::External>>,
 }
 
 impl<S> Inner<S> {
