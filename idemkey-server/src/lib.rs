@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use idemkey_core::{Clock, FirstSentPolicy};
 use idemkey_outbox::OutboxMetrics;
-use idemkey_tower::{InFlightPolicy, Metrics};
+use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics};
 
 mod auth;
 pub mod bench;
@@ -141,14 +141,23 @@ pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &App
     let api = Router::new()
         .route(
             "/v1/payments",
-            post(payments::create_payment::<S>)
-                .layer(idempotency.clone().required())
-                .get(payments::list_payments::<S>),
+            post(
+                idempotency
+                    .clone()
+                    .requirement(KeyRequirement::Required)
+                    .handler(payments::create_payment::<S>),
+            )
+            .get(payments::list_payments::<S>),
         )
         .route("/v1/payments/{id}", get(payments::get_payment::<S>))
         .route(
             "/v1/baseline/payments",
-            post(payments::create_payment::<S>).layer(idempotency.clone().off()),
+            post(
+                idempotency
+                    .clone()
+                    .requirement(KeyRequirement::Off)
+                    .handler(payments::create_payment::<S>),
+            ),
         )
         .with_state(state)
         .merge(idempotency.status_router())

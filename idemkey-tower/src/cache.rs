@@ -177,6 +177,7 @@ impl ReplayCache {
     }
 
     /// A receiver told after every invalidation the cache applied.
+    #[cfg(feature = "test-util")]
     pub(crate) fn changes(&self) -> watch::Receiver<u64> {
         self.changed.subscribe()
     }

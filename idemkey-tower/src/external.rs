@@ -36,7 +36,9 @@ impl Flags {
 }
 
 /// The handler's side of an external-mode claim (a route built with
-/// [`IdempotencyLayer::external`](crate::IdempotencyLayer::external)).
+/// [`IdempotencyLayer::external`](crate::IdempotencyLayer::external)). A local route has
+/// none: [`IdempotencyLayer::handler`](crate::IdempotencyLayer::handler) refuses a handler
+/// that takes one there when the router is built.
 ///
 /// Call [`point_of_no_return`](Self::point_of_no_return) just before the request leaves for
 /// the other service, and [`outcome_unknown`](Self::outcome_unknown) when it timed out or the

@@ -4,15 +4,18 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
+use axum::handler::Handler;
 use http::{HeaderMap, HeaderName};
 use idemkey_core::{
     AnswerRule, Clock, FingerprintSpec, FirstSentPolicy, FirstSentRequirement, KeyHasher, RecordId,
+    Store,
 };
 use tower_layer::Layer;
 
 use crate::SystemClock;
 use crate::cache::{self, ReplayCache};
 use crate::coalesce::Turns;
+use crate::mode::{self, Extractors, Local, Mode};
 use crate::{IdempotencyService, InFlightPolicy, KeyRequirement, Metrics};
 
 /// Where the status resource lives; a key's URL is this prefix plus the encoded key.
@@ -37,12 +40,6 @@ pub(crate) struct Config {
     pub(crate) answers: AnswerRule,
     /// The route of the scope; `None`: axum's matched path, else the request's path.
     pub(crate) route: Option<String>,
-    /// `Some(lease)`: external mode (see [`External`](crate::External)).
-    pub(crate) external: Option<Duration>,
-    /// External mode: the reservation marks the point of no return.
-    pub(crate) marked_at_reservation: bool,
-    /// External mode: seals the raw key into the record, for a reconciler.
-    pub(crate) seal: Option<KeySeal>,
     pub(crate) clock: Arc<dyn Clock>,
     /// Completed records kept in memory; shared by every layer derived from this one.
     pub(crate) cache: Option<Arc<ReplayCache>>,
@@ -73,10 +70,17 @@ impl std::fmt::Debug for KeySeal {
     }
 }
 
-/// Applies the idempotency contract to a route, in the route's own database transaction.
+/// Applies the idempotency contract to a route, in the route's own database transaction
+/// ([`mode::Local`]) or, once turned [`external`](Self::external), around a call to another
+/// service ([`mode::External`]).
 ///
 /// Build one per application with [`new`](Self::new), then derive each route's layer from it
-/// with the builder methods; the handler takes a [`Tx`](crate::Tx) for its effect.
+/// with the builder methods, and put the route's handler behind it with
+/// [`handler`](Self::handler): a local route's handler takes a [`Tx`](crate::Tx) for its
+/// effect, an external route's an [`External`](crate::External) handle, and a handler that
+/// takes the other mode's is refused (a panic) when the router is built. As a tower
+/// [`Layer`] (`.layer(idempotency)` on a router of several routes, or around a service) it
+/// cannot see the handlers: there such a handler answers 500 `transaction-unavailable`.
 ///
 /// ```no_run
 /// use axum::{Router, routing::post};
@@ -98,14 +102,15 @@ impl std::fmt::Debug for KeySeal {
 /// let idempotency = IdempotencyLayer::new(store, KeyHasher::new(b"a long random secret"));
 /// let app: Router = Router::new().route(
 ///     "/orders",
-///     post(create_order).layer(idempotency.clone().required()),
+///     post(idempotency.clone().handler(create_order)),
 /// );
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
-pub struct IdempotencyLayer<S> {
+pub struct IdempotencyLayer<S, M = Local> {
     pub(crate) store: S,
     pub(crate) config: Arc<Config>,
+    pub(crate) mode: M,
 }
 
 impl<S> IdempotencyLayer<S> {
@@ -139,9 +144,6 @@ impl<S> IdempotencyLayer<S> {
                 metrics: Metrics::new(),
                 answers: AnswerRule::default(),
                 route: None,
-                external: None,
-                marked_at_reservation: false,
-                seal: None,
                 clock: Arc::new(SystemClock),
                 cache: Some(Arc::new(ReplayCache::new(
                     cache::DEFAULT_ENTRIES,
@@ -150,56 +152,103 @@ impl<S> IdempotencyLayer<S> {
                 turns: Arc::new(Turns::default()),
                 warned_untenanted: Arc::new(AtomicBool::new(false)),
             }),
+            mode: Local,
         }
     }
 
+    /// External mode, for effects outside the store's database: the claim commits at once as
+    /// a reservation holding a lease of this length (renewed while the handler runs), and the
+    /// handler takes an [`External`](crate::External) instead of a [`Tx`](crate::Tx), marks
+    /// the point of no return before it calls out, and reports an unknown outcome.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use std::time::Duration;
+    ///
+    /// // The handler takes an `External<S>` and calls out to another service.
+    /// let layer = idempotency.clone().external(Duration::from_secs(10));
+    /// # }
+    /// ```
+    ///
+    /// The external mode's settings exist only on the external layer's type:
+    ///
+    /// ```compile_fail
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// // A local layer has no reservation to mark the point of no return with.
+    /// let layer = idempotency.point_of_no_return_at_reservation();
+    /// # }
+    /// ```
+    pub fn external(self, lease: Duration) -> IdempotencyLayer<S, mode::External> {
+        IdempotencyLayer {
+            store: self.store,
+            config: self.config,
+            mode: mode::External::new(lease),
+        }
+    }
+}
+
+impl<S, M: Mode> IdempotencyLayer<S, M> {
     fn with(mut self, f: impl FnOnce(&mut Config)) -> Self {
         f(Arc::make_mut(&mut self.config));
         self
     }
 
-    /// Requests without a key are refused with 400 (the default).
+    /// `handler` behind this layer, for a route of a router (`post(layer.handler(h))`).
     ///
-    /// ```
-    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
-    /// // POST /orders without an Idempotency-Key: 400 `key-missing`, the handler does not run.
-    /// let layer = idempotency.clone().required();
+    /// Its extractors are checked against the mode here, when the router is built: a handler
+    /// that takes a [`Tx`](crate::Tx) behind an external layer, or an
+    /// [`External`](crate::External) behind a local one, would answer every request with 500
+    /// `transaction-unavailable`, so this panics instead, naming the handler.
+    ///
+    /// ```should_panic
+    /// use std::time::Duration;
+    /// use axum::{Router, routing::post};
+    /// use idemkey_core::KeyHasher;
+    /// use idemkey_sqlite::SqliteStore;
+    /// use idemkey_tower::{IdempotencyLayer, Tx};
+    ///
+    /// async fn create_order(tx: Tx<SqliteStore>) -> &'static str {
+    ///     "created"
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// let external = IdempotencyLayer::new(store, KeyHasher::new(b"a long random secret"))
+    ///     .external(Duration::from_secs(10));
+    /// // Panics here: an external route's claim commits before its handler runs.
+    /// let app: Router = Router::new().route("/orders", post(external.handler(create_order)));
     /// # }
     /// ```
-    pub fn required(self) -> Self {
-        self.requirement(KeyRequirement::Required)
+    pub fn handler<H, T, St>(self, handler: H) -> impl Handler<T, St>
+    where
+        S: Store,
+        H: Handler<T, St>,
+        T: Extractors,
+        St: Clone + Send + Sync + 'static,
+    {
+        let refused = <M as mode::sealed::Mode>::refused::<S>();
+        for extractor in <T as mode::sealed::Extractors>::types() {
+            if let Some((_, say)) = refused.iter().find(|(ty, _)| *ty == extractor) {
+                panic!(
+                    "IdempotencyLayer::handler: the handler `{}` {say}",
+                    std::any::type_name::<H>()
+                );
+            }
+        }
+        handler.layer(self)
     }
 
-    /// Requests without a key run without protection.
-    ///
-    /// ```
-    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
-    /// // Keyed requests are protected; requests without a key run as before.
-    /// let layer = idempotency.clone().optional();
-    /// # }
-    /// ```
-    pub fn optional(self) -> Self {
-        self.requirement(KeyRequirement::Optional)
-    }
-
-    /// Keys are ignored; the handler still gets its transaction.
-    ///
-    /// ```
-    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
-    /// // An unkeyed baseline of the same handler: it still gets its `Tx`.
-    /// let layer = idempotency.clone().off();
-    /// # }
-    /// ```
-    pub fn off(self) -> Self {
-        self.requirement(KeyRequirement::Off)
-    }
-
-    /// Sets the key requirement.
+    /// Sets the key requirement: [`KeyRequirement::Required`] (the default: a request
+    /// without a key is refused with 400 `key-missing`, the handler does not run),
+    /// [`Optional`](KeyRequirement::Optional) (a request without a key runs without
+    /// protection) or [`Off`](KeyRequirement::Off) (keys are ignored). In local mode an
+    /// unkeyed request's handler still gets its `Tx`.
     ///
     /// ```
     /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
     /// use idemkey_tower::KeyRequirement;
     ///
+    /// // Keyed requests are protected; requests without a key run as before.
     /// let layer = idempotency.clone().requirement(KeyRequirement::Optional);
     /// # }
     /// ```
@@ -342,47 +391,6 @@ impl<S> IdempotencyLayer<S> {
         })
     }
 
-    /// External mode, for effects outside the store's database: the claim commits at once as
-    /// a reservation holding a lease of this length (renewed while the handler runs), and the
-    /// handler takes an [`External`](crate::External) instead of a [`Tx`](crate::Tx), marks
-    /// the point of no return before it calls out, and reports an unknown outcome.
-    ///
-    /// ```
-    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
-    /// use std::time::Duration;
-    ///
-    /// // The handler takes an `External<S>` and calls out to another service.
-    /// let layer = idempotency.clone().external(Duration::from_secs(10));
-    /// # }
-    /// ```
-    pub fn external(self, lease: Duration) -> Self {
-        self.with(|c| c.external = Some(lease))
-    }
-
-    /// External mode: the reservation itself marks the point of no return, one write less
-    /// per request, for handlers that call out as soon as they start (`idemkey gateway`).
-    ///
-    /// The handler still calls [`External::point_of_no_return`](crate::External::point_of_no_return)
-    /// just before the request leaves; it then writes nothing, and fails only when the lease
-    /// has lapsed. Returning before it still releases the key. The cost is in the crash
-    /// window: a process that dies after the reservation and before its request left leaves
-    /// the operation indeterminate (a reconciler or an operator resolves it) instead of free
-    /// for a retry to take over once the lease lapses.
-    ///
-    /// ```
-    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
-    /// use std::time::Duration;
-    ///
-    /// let layer = idempotency
-    ///     .clone()
-    ///     .external(Duration::from_secs(10))
-    ///     .point_of_no_return_at_reservation();
-    /// # }
-    /// ```
-    pub fn point_of_no_return_at_reservation(self) -> Self {
-        self.with(|c| c.marked_at_reservation = true)
-    }
-
     /// Counts into `metrics` (share one [`Metrics`] across routes and render it).
     ///
     /// ```
@@ -428,32 +436,6 @@ impl<S> IdempotencyLayer<S> {
     pub fn route(self, route: impl Into<String>) -> Self {
         let route = route.into();
         self.with(|c| c.route = Some(route))
-    }
-
-    /// External mode: also keep each raw key in its record, sealed by `seal` (given the key
-    /// and the record's identity), so a reconciler can ask the other service about it. By
-    /// default only the keyed hash is stored.
-    ///
-    /// ```
-    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
-    /// use std::time::Duration;
-    ///
-    /// /// Stand-in: encrypt the key with a key of your own (e.g. ChaCha20-Poly1305).
-    /// fn encrypt(key: &[u8]) -> Vec<u8> {
-    ///     key.to_vec()
-    /// }
-    ///
-    /// let layer = idempotency
-    ///     .clone()
-    ///     .external(Duration::from_secs(10))
-    ///     .seal_keys(|key, _record| encrypt(key.as_bytes()));
-    /// # }
-    /// ```
-    pub fn seal_keys(
-        self,
-        seal: impl Fn(&str, &RecordId) -> Vec<u8> + Send + Sync + 'static,
-    ) -> Self {
-        self.with(|c| c.seal = Some(KeySeal(Arc::new(seal))))
     }
 
     /// Key-secret rotation: records made under the previous secret (hashed by `hasher`) are
@@ -533,7 +515,8 @@ impl<S> IdempotencyLayer<S> {
 
     /// Told each time the replay cache drops entries on the store's word (an eviction notice,
     /// or a lost or regained notice channel): its value counts them. `None` without a cache.
-    /// For tests and health checks that wait for an eviction to reach this instance.
+    /// For tests that wait for an eviction to reach this instance: only with the crate's
+    /// `test-util` feature, which tests enable as a dev-dependency's.
     ///
     /// ```no_run
     /// # async fn run<S: idemkey_core::Store>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
@@ -542,6 +525,7 @@ impl<S> IdempotencyLayer<S> {
     /// }
     /// # }
     /// ```
+    #[cfg(feature = "test-util")]
     pub fn replay_cache_changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         self.config.cache.as_ref().map(|c| c.changes())
     }
@@ -563,8 +547,62 @@ impl<S> IdempotencyLayer<S> {
     }
 }
 
-impl<S: Clone, I> Layer<I> for IdempotencyLayer<S> {
-    type Service = IdempotencyService<S, I>;
+impl<S> IdempotencyLayer<S, mode::External> {
+    /// External mode: the reservation itself marks the point of no return, one write less
+    /// per request, for handlers that call out as soon as they start (`idemkey gateway`).
+    ///
+    /// The handler still calls [`External::point_of_no_return`](crate::External::point_of_no_return)
+    /// just before the request leaves; it then writes nothing, and fails only when the lease
+    /// has lapsed. Returning before it still releases the key. The cost is in the crash
+    /// window: a process that dies after the reservation and before its request left leaves
+    /// the operation indeterminate (a reconciler or an operator resolves it) instead of free
+    /// for a retry to take over once the lease lapses.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use std::time::Duration;
+    ///
+    /// let layer = idempotency
+    ///     .clone()
+    ///     .external(Duration::from_secs(10))
+    ///     .point_of_no_return_at_reservation();
+    /// # }
+    /// ```
+    pub fn point_of_no_return_at_reservation(mut self) -> Self {
+        self.mode.marked_at_reservation = true;
+        self
+    }
+
+    /// External mode: also keep each raw key in its record, sealed by `seal` (given the key
+    /// and the record's identity), so a reconciler can ask the other service about it. By
+    /// default only the keyed hash is stored.
+    ///
+    /// ```
+    /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
+    /// use std::time::Duration;
+    ///
+    /// /// Stand-in: encrypt the key with a key of your own (e.g. ChaCha20-Poly1305).
+    /// fn encrypt(key: &[u8]) -> Vec<u8> {
+    ///     key.to_vec()
+    /// }
+    ///
+    /// let layer = idempotency
+    ///     .clone()
+    ///     .external(Duration::from_secs(10))
+    ///     .seal_keys(|key, _record| encrypt(key.as_bytes()));
+    /// # }
+    /// ```
+    pub fn seal_keys(
+        mut self,
+        seal: impl Fn(&str, &RecordId) -> Vec<u8> + Send + Sync + 'static,
+    ) -> Self {
+        self.mode.seal = Some(KeySeal(Arc::new(seal)));
+        self
+    }
+}
+
+impl<S: Clone, M: Clone, I> Layer<I> for IdempotencyLayer<S, M> {
+    type Service = IdempotencyService<S, M, I>;
 
     fn layer(&self, inner: I) -> Self::Service {
         IdempotencyService {

@@ -15,6 +15,12 @@
 //! | outcome unknown | 409 `outcome-unknown`, with the status resource's URL |
 //! | store unreachable | 503 + `Retry-After`; the handler does not run |
 //!
+//! For an effect outside the store's database (a call to another service), the layer's
+//! external mode ([`mode::External`]) reserves the key first and hands the handler an
+//! [`External`] instead. The mode is the layer's type, and a route built with
+//! [`IdempotencyLayer::handler`] has its handler's extractors checked against it when the
+//! router is built.
+//!
 //! Errors are `application/problem+json` ([`IdempotencyRejection`]). The full contract is
 //! in `docs/guide/contract.md`. See [`IdempotencyLayer`] for an example.
 
@@ -24,6 +30,7 @@ mod coalesce;
 mod external;
 mod layer;
 mod metrics;
+pub mod mode;
 mod policy;
 mod problem;
 mod purge;

@@ -37,9 +37,11 @@ impl<S: Store> Clone for TxSlot<S> {
 /// `Tx<S>` dereferences to the store's connection (`SqliteConnection`, `PgConnection`), so
 /// `&mut *tx` is an sqlx executor.
 ///
-/// Only write requests get one: safe methods (`GET`, `HEAD`, `OPTIONS`, `TRACE`) pass the
-/// layer untouched, so a read handler uses the pool instead (asking for a `Tx` there answers
-/// 500 `transaction-unavailable`).
+/// Only write requests on a local route get one: safe methods (`GET`, `HEAD`, `OPTIONS`,
+/// `TRACE`) pass the layer untouched, so a read handler uses the pool instead (asking for a
+/// `Tx` there answers 500 `transaction-unavailable`). A route in external mode has none
+/// either: [`IdempotencyLayer::handler`](crate::IdempotencyLayer::handler) refuses a handler
+/// that takes one there when the router is built.
 ///
 /// ```no_run
 /// use idemkey_sqlite::SqliteStore;

@@ -13,7 +13,7 @@ use axum::routing::post;
 use http::{Method, Request, StatusCode};
 use idemkey_core::KeyHasher;
 use idemkey_sqlite::SqliteStore;
-use idemkey_tower::{External, IdempotencyLayer, PROBLEM_JSON, Tx};
+use idemkey_tower::{External, IdempotencyLayer, KeyRequirement, PROBLEM_JSON, Tx};
 use proptest::prelude::*;
 use tower::ServiceExt;
 
@@ -60,9 +60,12 @@ async fn app() -> App {
                 .put(local)
                 .patch(local)
                 .delete(local)
-                .layer(layer.clone().required()),
+                .layer(layer.clone().requirement(KeyRequirement::Required)),
         )
-        .route("/optional", post(local).layer(layer.clone().optional()))
+        .route(
+            "/optional",
+            post(local).layer(layer.clone().requirement(KeyRequirement::Optional)),
+        )
         .route(
             "/external",
             post(external).layer(layer.external(Duration::from_secs(10))),

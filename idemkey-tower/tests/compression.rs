@@ -13,7 +13,7 @@ use axum::routing::post;
 use http::{HeaderMap, Request, StatusCode, header};
 use idemkey_core::KeyHasher;
 use idemkey_sqlite::SqliteStore;
-use idemkey_tower::{IdempotencyLayer, REPLAYED_HEADER, Tx};
+use idemkey_tower::{IdempotencyLayer, KeyRequirement, REPLAYED_HEADER, Tx};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 use tokio::io::AsyncReadExt;
@@ -36,7 +36,7 @@ async fn setup() -> (TempDir, SqliteStore) {
 
 fn layer(store: &SqliteStore) -> IdempotencyLayer<SqliteStore> {
     let hasher = KeyHasher::new(b"a key secret of thirty-two bytes or more");
-    IdempotencyLayer::new(store.clone(), hasher).required()
+    IdempotencyLayer::new(store.clone(), hasher).requirement(KeyRequirement::Required)
 }
 
 /// Writes one effect row and answers a JSON document large enough to be compressed, naming

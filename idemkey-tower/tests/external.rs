@@ -124,7 +124,7 @@ async fn setup_on(
         .metrics(metrics.clone())
         .clock(clock);
     let app = Router::new()
-        .route("/transfers", post(transfer).layer(layer))
+        .route("/transfers", post(layer.handler(transfer)))
         .with_state(bank.clone());
     (dir, store, bank, app, metrics)
 }

@@ -17,8 +17,8 @@ use http::{HeaderMap, Request, StatusCode, header};
 use idemkey_core::{Clock, KeyHasher};
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{
-    EXPIRES_HEADER, IdempotencyLayer, Metrics, Outcome, PROBLEM_JSON, PROBLEM_TYPE_PREFIX,
-    REPLAYED_HEADER, Tenant, Tx, status_router,
+    EXPIRES_HEADER, IdempotencyLayer, KeyRequirement, Metrics, Outcome, PROBLEM_JSON,
+    PROBLEM_TYPE_PREFIX, REPLAYED_HEADER, Tenant, Tx, status_router,
 };
 use serde_json::{Value, json};
 use tempfile::TempDir;
@@ -115,7 +115,7 @@ async fn count(State(store): State<SqliteStore>) -> String {
 
 /// The application: `POST /effects` behind `layer`.
 fn app(layer: IdempotencyLayer<SqliteStore>) -> Router {
-    Router::new().route(ROUTE, post(create).layer(layer))
+    Router::new().route(ROUTE, post(layer.handler(create)))
 }
 
 fn request(key: Option<&str>, body: &str) -> Request<Body> {
@@ -189,7 +189,7 @@ async fn records(store: &SqliteStore) -> i64 {
 #[tokio::test]
 async fn replays_completed_response_byte_for_byte() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
     let body = r#"{"status": 201}"#;
 
     let first = send(&app, request(Some("k-replay"), body)).await;
@@ -216,7 +216,7 @@ async fn replays_completed_response_byte_for_byte() {
 #[tokio::test]
 async fn json_bodies_differing_only_in_spelling_are_the_same_request() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
 
     let first = send(
         &app,
@@ -249,7 +249,7 @@ async fn json_bodies_differing_only_in_spelling_are_the_same_request() {
 #[tokio::test]
 async fn rejects_mismatched_body_with_422_naming_the_part() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
 
     let first = send(&app, request(Some("k-mismatch"), r#"{"amount": 1}"#)).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -278,7 +278,7 @@ async fn rejects_mismatched_body_with_422_naming_the_part() {
 #[tokio::test]
 async fn rejects_reused_key_naming_the_first_differing_member() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
     let cases = [
         // (key, first body, retry body, pointer)
         (
@@ -327,7 +327,7 @@ async fn rejects_reused_key_naming_the_first_differing_member() {
 #[tokio::test]
 async fn rejects_missing_empty_overlong_comma_and_doubled_keys_with_400() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
     let body = r#"{"status": 201}"#;
     let overlong = "a".repeat(256);
 
@@ -370,7 +370,7 @@ async fn rejects_missing_empty_overlong_comma_and_doubled_keys_with_400() {
 #[tokio::test]
 async fn quoted_and_bare_keys_are_the_same_key() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
     let body = r#"{"status": 201}"#;
 
     let bare = send(&app, request(Some("8e03978e-40d5"), body)).await;
@@ -386,7 +386,7 @@ async fn quoted_and_bare_keys_are_the_same_key() {
 #[tokio::test]
 async fn handler_400_and_500_roll_back_and_free_the_key() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
 
     for (done, (key, status)) in [("k-400", 400u16), ("k-500", 500)].into_iter().enumerate() {
         let done = done as i64; // committed by the earlier rounds' corrected retries
@@ -415,7 +415,7 @@ async fn handler_400_and_500_roll_back_and_free_the_key() {
 #[tokio::test]
 async fn declined_402_is_stored_and_replayed() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
     let body = r#"{"status": 402}"#;
 
     let declined = send(&app, request(Some("k-402"), body)).await;
@@ -438,7 +438,7 @@ async fn declined_402_is_stored_and_replayed() {
 #[tokio::test]
 async fn panic_rolls_back_and_answers_500_problem() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
 
     let panicked = send(&app, request(Some("k-panic"), r#"{"panic": true}"#)).await;
     panicked.problem(StatusCode::INTERNAL_SERVER_ERROR, "internal-error");
@@ -454,7 +454,9 @@ async fn panic_rolls_back_and_answers_500_problem() {
 #[tokio::test]
 async fn oversized_request_body_gets_413_without_record() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required().max_request_body(100));
+    let app = app(layer(&store)
+        .requirement(KeyRequirement::Required)
+        .max_request_body(100));
     let big = format!(r#"{{"status": 201, "filler": "{}"}}"#, "x".repeat(200));
 
     // Without Content-Length: the limit is found while reading.
@@ -482,7 +484,9 @@ async fn oversized_request_body_gets_413_without_record() {
 #[tokio::test]
 async fn response_too_large_rolls_back() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required().max_stored_response(10));
+    let app = app(layer(&store)
+        .requirement(KeyRequirement::Required)
+        .max_stored_response(10));
 
     let answer = send(&app, request(Some("k-large"), r#"{"status": 201}"#)).await;
     answer.problem(StatusCode::INTERNAL_SERVER_ERROR, "response-too-large");
@@ -494,7 +498,7 @@ async fn response_too_large_rolls_back() {
 #[tokio::test]
 async fn optional_route_without_key_runs_unprotected() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).optional());
+    let app = app(layer(&store).requirement(KeyRequirement::Optional));
     let body = r#"{"status": 201}"#;
 
     for _ in 0..2 {
@@ -521,7 +525,7 @@ async fn optional_route_without_key_runs_unprotected() {
 #[tokio::test]
 async fn off_route_ignores_keys() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).off());
+    let app = app(layer(&store).requirement(KeyRequirement::Off));
     let body = r#"{"status": 201}"#;
 
     for key in [Some("k-off"), Some("k-off"), None, Some("a,b")] {
@@ -545,7 +549,7 @@ async fn safe_methods_pass_through() {
         get(count)
             .with_state(store.clone())
             .post(create)
-            .layer(layer(&store).required()),
+            .layer(layer(&store).requirement(KeyRequirement::Required)),
     );
 
     let created = send(&app, request(Some("k-safe"), r#"{"status": 201}"#)).await;
@@ -571,7 +575,7 @@ async fn safe_methods_pass_through() {
 #[tokio::test]
 async fn same_key_in_two_tenants_is_two_operations() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
     let body = r#"{"status": 201}"#;
 
     let a = send(&app, for_tenant(request(Some("k-shared"), body), "a")).await;
@@ -595,7 +599,7 @@ async fn expired_key_runs_again() {
     let clock = ManualClock::new();
     let retention = Duration::from_secs(3600);
     let app = app(layer(&store)
-        .required()
+        .requirement(KeyRequirement::Required)
         .retention(retention)
         .clock(clock.clone()));
     let body = r#"{"status": 201}"#;
@@ -627,7 +631,7 @@ async fn expired_key_runs_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_same_key_requests_execute_once() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required());
+    let app = app(layer(&store).requirement(KeyRequirement::Required));
 
     let tasks: Vec<_> = (0..16)
         .map(|_| {
@@ -663,7 +667,8 @@ async fn concurrent_same_key_requests_execute_once() {
 #[tokio::test]
 async fn status_resource_shows_own_records() {
     let (_dir, store) = setup().await;
-    let app = app(layer(&store).required()).merge(status_router(store.clone(), hasher()));
+    let app = app(layer(&store).requirement(KeyRequirement::Required))
+        .merge(status_router(store.clone(), hasher()));
 
     let done = send(&app, request(Some("k-status"), r#"{"status": 201}"#)).await;
     assert_eq!(done.status, StatusCode::CREATED);
@@ -706,7 +711,9 @@ async fn status_resource_shows_own_records() {
 async fn metrics_count_outcomes() {
     let (_dir, store) = setup().await;
     let m = Metrics::new();
-    let app = app(layer(&store).required().metrics(m.clone()));
+    let app = app(layer(&store)
+        .requirement(KeyRequirement::Required)
+        .metrics(m.clone()));
 
     let first = send(&app, request(Some("k-m"), r#"{"amount": 1}"#)).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -750,7 +757,7 @@ async fn handler_without_layer_gets_500_transaction_unavailable() {
 async fn store_header_adds_a_replayed_header() {
     let (_dir, store) = setup().await;
     let app = app(layer(&store)
-        .required()
+        .requirement(KeyRequirement::Required)
         .store_header(http::HeaderName::from_static("x-not-stored")));
     let body = r#"{"status": 201}"#;
 
@@ -792,7 +799,9 @@ async fn busy_sqlite_lock_answers_503_store_busy_and_runs_nothing() {
         .await
         .unwrap();
     let m = Metrics::new();
-    let app = app(layer(&store).required().metrics(m.clone()));
+    let app = app(layer(&store)
+        .requirement(KeyRequirement::Required)
+        .metrics(m.clone()));
     let body = r#"{"status": 201}"#;
 
     let gate = Gate::new();
@@ -825,7 +834,7 @@ async fn spawned_purge_deletes_expired_records() {
     let retention = Duration::from_secs(3600);
     let metrics = Metrics::new();
     let idempotency = layer(&store)
-        .required()
+        .requirement(KeyRequirement::Required)
         .retention(retention)
         .clock(clock.clone())
         .metrics(metrics.clone());
@@ -892,7 +901,10 @@ async fn a_failed_commit_says_the_outcome_is_unknown() {
             .unwrap();
         StatusCode::CREATED
     }
-    let app = Router::new().route(ROUTE, post(orphan).layer(layer(&store).required()));
+    let app = Router::new().route(
+        ROUTE,
+        post(orphan).layer(layer(&store).requirement(KeyRequirement::Required)),
+    );
     let failed = send(&app, request(Some("k-commit"), "orphan")).await;
     let problem = failed.problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable");
     let detail = problem["detail"].as_str().unwrap();
@@ -919,7 +931,9 @@ async fn a_failed_commit_says_the_outcome_is_unknown() {
 async fn a_duplicate_waiting_in_memory_is_counted_until_it_goes() {
     let (_dir, store) = setup().await;
     let metrics = Metrics::new();
-    let app = app(layer(&store).required().metrics(metrics.clone()));
+    let app = app(layer(&store)
+        .requirement(KeyRequirement::Required)
+        .metrics(metrics.clone()));
     let body = r#"{"status": 201}"#;
     let gate = Gate::new();
     let owner = {
@@ -1012,7 +1026,7 @@ async fn a_far_future_expiry_is_answered_and_replayed_without_a_panic() {
     let layer = layer(&store)
         .retention(Duration::MAX)
         .in_flight(idemkey_tower::InFlightPolicy::Wait(Duration::MAX))
-        .required();
+        .requirement(KeyRequirement::Required);
     let app = app(layer).merge(status_router(store.clone(), hasher()));
 
     let first = send(&app, request(Some("k-far"), r#"{"status": 201}"#)).await;

@@ -11,7 +11,7 @@ use http::{Request, StatusCode, header};
 use idemkey_core::KeyHasher;
 use idemkey_sqlite::RusqliteStore;
 use idemkey_sqlite::rusqlite::params;
-use idemkey_tower::{IdempotencyLayer, PROBLEM_TYPE_PREFIX, REPLAYED_HEADER, Tx};
+use idemkey_tower::{IdempotencyLayer, KeyRequirement, PROBLEM_TYPE_PREFIX, REPLAYED_HEADER, Tx};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 use tokio::sync::Barrier;
@@ -54,7 +54,8 @@ async fn create(tx: Tx<RusqliteStore>, body: Bytes) -> Response {
 }
 
 fn app(store: &RusqliteStore) -> Router {
-    let layer = IdempotencyLayer::new(store.clone(), KeyHasher::new(b"secret")).required();
+    let layer = IdempotencyLayer::new(store.clone(), KeyHasher::new(b"secret"))
+        .requirement(KeyRequirement::Required);
     Router::new().route(ROUTE, post(create).layer(layer))
 }
 

@@ -18,7 +18,7 @@ use axum::routing::post;
 use http::{Request, StatusCode};
 use idemkey_core::KeyHasher;
 use idemkey_postgres::PgStore;
-use idemkey_tower::{IdempotencyLayer, Metrics, REPLAYED_HEADER, Tx};
+use idemkey_tower::{IdempotencyLayer, KeyRequirement, Metrics, REPLAYED_HEADER, Tx};
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
 
@@ -73,7 +73,7 @@ async fn duplicates_wait_in_memory_and_other_keys_go_on() {
         .unwrap();
     let metrics = Metrics::new();
     let layer = IdempotencyLayer::new(store.clone(), KeyHasher::new(b"storm"))
-        .required()
+        .requirement(KeyRequirement::Required)
         .metrics(metrics.clone());
     let app = Router::new().route("/effects", post(create).layer(layer));
 

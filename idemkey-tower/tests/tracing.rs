@@ -9,7 +9,7 @@ use axum::routing::post;
 use http::{Request, StatusCode};
 use idemkey_core::{IdempotencyKey, KeyHasher, Scope};
 use idemkey_sqlite::SqliteStore;
-use idemkey_tower::{IdempotencyLayer, Tenant, Tx};
+use idemkey_tower::{IdempotencyLayer, KeyRequirement, Tenant, Tx};
 use tower::ServiceExt;
 use tracing_subscriber::fmt::MakeWriter;
 
@@ -95,7 +95,10 @@ async fn a_request_without_a_tenant_is_warned_about_once() {
     let layer = IdempotencyLayer::new(store, KeyHasher::new(b"secret"));
     let app = Router::new()
         .route("/orders", post(handler).layer(layer.clone()))
-        .route("/refunds", post(handler).layer(layer.optional()));
+        .route(
+            "/refunds",
+            post(handler).layer(layer.requirement(KeyRequirement::Optional)),
+        );
 
     let captured = Captured::default();
     let subscriber = tracing_subscriber::fmt()

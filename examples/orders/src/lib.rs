@@ -27,7 +27,9 @@ use http::{StatusCode, header};
 use idemkey_core::{KeyHasher, StoreAdmin};
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::SqliteStore;
-use idemkey_tower::{IdempotencyLayer, Metrics, PurgeTask, Tenant, Tx, status_router};
+use idemkey_tower::{
+    IdempotencyLayer, KeyRequirement, Metrics, PurgeTask, Tenant, Tx, status_router,
+};
 
 /// Bearer token → tenant.
 pub type ApiKeys = Arc<HashMap<String, String>>;
@@ -127,9 +129,12 @@ pub async fn app<S: OrdersDb>(
     let authenticated = Router::new()
         .route(
             "/orders",
-            post(create_order::<S>)
-                .layer(idempotency.required())
-                .with_state(store.clone()),
+            post(
+                idempotency
+                    .requirement(KeyRequirement::Required)
+                    .handler(create_order::<S>),
+            )
+            .with_state(store.clone()),
         )
         .merge(status_router(store, hasher))
         .layer(from_fn_with_state(api_keys, authenticate));

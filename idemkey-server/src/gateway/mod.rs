@@ -27,7 +27,7 @@ use axum::routing::get;
 use http::{Method, header};
 use idemkey_core::{AnswerRule, FirstSentPolicy};
 use idemkey_tower::{
-    IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, SystemClock, Tenant,
+    IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, SystemClock, Tenant, mode,
 };
 
 use crate::ApiKeys;
@@ -402,7 +402,7 @@ struct Inner<S> {
     /// the forwarding handler.
     keyed: Vec<Router>,
     /// Per route rule (same order): that layer, for what it stores with an answer.
-    layers: Vec<IdempotencyLayer<S>>,
+    layers: Vec<IdempotencyLayer<S, mode::External>>,
 }
 
 impl<S> Inner<S> {

@@ -19,9 +19,9 @@ use hyper::client::conn::http1::SendRequest;
 use idemkey_core::HEADER_NAME;
 use idemkey_core::hop::strip_hop_by_hop;
 use idemkey_tower::{
-    External, IdempotencyLayer, IdempotencyRejection, KeyRequirement, RETRY_AFTER, is_safe,
+    External, IdempotencyLayer, IdempotencyRejection, KeyRequirement, RETRY_AFTER, is_safe, mode,
 };
-use tower::{Layer, ServiceExt};
+use tower::ServiceExt;
 
 use super::GatewayDb;
 use super::upstream::Connections;
@@ -50,11 +50,11 @@ impl Forwarder {
 
 /// The service of one keyed route: the layer's external mode around [`forward_keyed`].
 pub(super) fn keyed_route<S: GatewayDb>(
-    layer: IdempotencyLayer<S>,
+    layer: IdempotencyLayer<S, mode::External>,
     forwarder: Arc<Forwarder>,
 ) -> axum::Router {
-    let handler = axum::handler::Handler::with_state(forward_keyed::<S>, forwarder);
-    axum::Router::new().fallback_service(layer.layer(handler))
+    let handler = layer.handler(forward_keyed::<S>);
+    axum::Router::new().fallback_service(axum::handler::Handler::with_state(handler, forwarder))
 }
 
 /// Every request that is not the gateway's own.

@@ -38,6 +38,7 @@ use super::{Keyed, call, store_unavailable};
 use crate::coalesce::TurnGuard;
 use crate::external::{External, Flags};
 use crate::metrics::Outcome;
+use crate::mode::{self, Mode};
 use crate::{IdempotencyRejection, InFlightPolicy};
 
 /// How often a waiting attempt looks at a reservation held by another process's attempt.
@@ -46,22 +47,23 @@ const POLL: Duration = Duration::from_millis(50);
 /// How many times an owner's final write is tried.
 const WRITE_ATTEMPTS: usize = 5;
 
-pub(super) async fn run<S, I>(
-    keyed: Keyed<S>,
+pub(super) async fn run<S, M, I>(
+    keyed: Keyed<S, M>,
     inner: I,
     req: Request<Body>,
     mut claim: Claim,
-    lease_time: Duration,
+    mode: mode::External,
     turn: Option<TurnGuard>,
     wait_left: Option<Duration>,
 ) -> Response
 where
     S: Store,
+    M: Mode,
     I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
     I::Future: Send + 'static,
 {
     let store = keyed.layer.store.clone();
-    let reserved = reserve_waiting(&keyed, &mut claim, lease_time, wait_left).await;
+    let reserved = reserve_waiting(&keyed, &mut claim, &mode, wait_left).await;
     let (token, expires_at) = match reserved {
         Ok(ClaimOutcome::Owned { token, expires_at }) => (token, expires_at),
         Ok(other) => return keyed.answer_existing(other, &claim.id, &claim.fingerprint),
@@ -74,8 +76,8 @@ where
         }
     };
     let mut lease =
-        Lease::new(store, claim.id, token, lease_time).with_clock(keyed.config.clock.clone());
-    if keyed.config.marked_at_reservation {
+        Lease::new(store, claim.id, token, mode.lease).with_clock(keyed.config.clock.clone());
+    if mode.marked_at_reservation {
         lease = lease.marked_at_reservation(claim.now);
     }
     let owner = tokio::spawn(
@@ -100,10 +102,10 @@ where
 /// another attempt (of another process: this process's wait in memory for their turn) is
 /// polled until its owner finishes or the bound passes (`wait_left` of it, after a wait for
 /// the turn); then the last answer stands (`InFlight`).
-async fn reserve_waiting<S: Store>(
-    keyed: &Keyed<S>,
+async fn reserve_waiting<S: Store, M: Mode>(
+    keyed: &Keyed<S, M>,
     claim: &mut Claim,
-    lease: Duration,
+    mode: &mode::External,
     wait_left: Option<Duration>,
 ) -> protocol::Result<ClaimOutcome> {
     let clock = &keyed.config.clock;
@@ -114,10 +116,10 @@ async fn reserve_waiting<S: Store>(
     };
     loop {
         let store = &keyed.layer.store;
-        let outcome = if keyed.config.marked_at_reservation {
-            protocol::reserve_at_point_of_no_return(store, claim, lease).await?
+        let outcome = if mode.marked_at_reservation {
+            protocol::reserve_at_point_of_no_return(store, claim, mode.lease).await?
         } else {
-            protocol::reserve(store, claim, lease).await?
+            protocol::reserve(store, claim, mode.lease).await?
         };
         match (&outcome, deadline) {
             (ClaimOutcome::InFlight { .. }, Some(deadline))
@@ -140,8 +142,8 @@ enum Answer {
 }
 
 /// The owner: runs the handler, decides, writes the decision.
-async fn own<S, I>(
-    keyed: Keyed<S>,
+async fn own<S, M, I>(
+    keyed: Keyed<S, M>,
     inner: I,
     mut req: Request<Body>,
     lease: Lease<S>,
@@ -150,6 +152,7 @@ async fn own<S, I>(
 ) -> Response
 where
     S: Store,
+    M: Mode,
     I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
     I::Future: Send + 'static,
 {

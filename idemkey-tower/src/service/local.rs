@@ -18,13 +18,14 @@ use tower_service::Service;
 use super::stored::capture_outcome;
 use super::{Keyed, call, store_unavailable};
 use crate::metrics::Outcome;
+use crate::mode::Mode;
 use crate::tx::{Slot, TxSlot};
 use crate::{IdempotencyLayer, IdempotencyRejection, InFlightPolicy};
 
 /// Claims the key in a new transaction, runs the handler on it, and stores its answer in it
 /// when the route's rule says so (then commits; otherwise rolls back: no record, no effect).
-pub(super) async fn run<S, I>(
-    keyed: Keyed<S>,
+pub(super) async fn run<S, M, I>(
+    keyed: Keyed<S, M>,
     inner: I,
     req: Request<Body>,
     claim: Claim,
@@ -32,6 +33,7 @@ pub(super) async fn run<S, I>(
 ) -> Response
 where
     S: Store,
+    M: Mode,
     I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
     I::Future: Send + 'static,
 {
@@ -183,13 +185,14 @@ where
 
 /// A request without a key (on an `optional` or `off` route): the handler still gets a
 /// transaction, committed under the same rule as keyed requests.
-pub(super) async fn unkeyed<S, I>(
-    layer: IdempotencyLayer<S>,
+pub(super) async fn unkeyed<S, M, I>(
+    layer: IdempotencyLayer<S, M>,
     inner: I,
     req: Request<Body>,
 ) -> Response
 where
     S: Store,
+    M: Mode,
     I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
     I::Future: Send + 'static,
 {

@@ -32,6 +32,7 @@ use crate::InFlightPolicy;
 use crate::coalesce::{self, Turn, TurnGuard};
 use crate::layer::Config;
 use crate::metrics::Outcome;
+use crate::mode::Mode;
 use crate::{IdempotencyLayer, IdempotencyRejection, KeyRequirement, Tenant};
 
 mod body;
@@ -47,14 +48,15 @@ pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// The [`Service`] built by [`IdempotencyLayer`].
 #[derive(Debug, Clone)]
-pub struct IdempotencyService<S, I> {
+pub struct IdempotencyService<S, M, I> {
     pub(crate) inner: I,
-    pub(crate) layer: IdempotencyLayer<S>,
+    pub(crate) layer: IdempotencyLayer<S, M>,
 }
 
-impl<S, I> Service<Request<Body>> for IdempotencyService<S, I>
+impl<S, M, I> Service<Request<Body>> for IdempotencyService<S, M, I>
 where
     S: Store,
+    M: Mode,
     I: Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send + 'static,
     I::Future: Send + 'static,
 {
@@ -83,9 +85,10 @@ pub fn is_safe(method: &Method) -> bool {
     )
 }
 
-async fn handle<S, I>(layer: IdempotencyLayer<S>, inner: I, req: Request<Body>) -> Response
+async fn handle<S, M, I>(layer: IdempotencyLayer<S, M>, inner: I, req: Request<Body>) -> Response
 where
     S: Store,
+    M: Mode,
     I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
     I::Future: Send + 'static,
 {
@@ -132,7 +135,7 @@ where
             refused(&config, req, IdempotencyRejection::KeyMissing).await
         }
         // Without a key there is nothing to reserve: the handler calls out unprotected.
-        None if config.external.is_some() => call(inner, req).await,
+        None if layer.mode.external().is_some() => call(inner, req).await,
         None => local::unkeyed(layer, inner, req).await,
     }
 }
@@ -214,8 +217,8 @@ fn store_unavailable(error: &StoreError) -> Response {
 }
 
 /// One keyed request on its way through the layer.
-struct Keyed<S> {
-    layer: IdempotencyLayer<S>,
+struct Keyed<S, M> {
+    layer: IdempotencyLayer<S, M>,
     config: Arc<Config>,
     key: IdempotencyKey,
     /// The request's `Accept-Encoding` fields: the codings a replay may be sent in.
@@ -231,9 +234,9 @@ struct Keyed<S> {
     ticket: crate::cache::Ticket,
 }
 
-impl<S: Store> Keyed<S> {
+impl<S: Store, M: Mode> Keyed<S, M> {
     fn new(
-        layer: IdempotencyLayer<S>,
+        layer: IdempotencyLayer<S, M>,
         key: IdempotencyKey,
         headers: &HeaderMap,
         first_sent: Option<Timestamp>,
@@ -506,18 +509,18 @@ impl<S: Store> Keyed<S> {
                 };
             }
             // Only a request that goes on to claim needs its key sealed (external mode).
-            if let (Some(_), Some(seal)) = (&config.external, &config.seal) {
+            let external = self.layer.mode.external().cloned();
+            if let Some(seal) = external.as_ref().and_then(|mode| mode.seal.as_ref()) {
                 claim.sealed_key = Some((seal.0)(self.key.as_str(), &claim.id));
             }
             let req = Request::from_parts(parts, Body::from(bytes));
-            let external = config.external;
             let (turn, wait) = match self.take_turn(&mut claim).await {
                 Ok(turn) => turn,
                 Err(answer) => return answer,
             };
             match external {
                 // The owner keeps the turn until its outcome is written.
-                Some(lease) => external::run(self, inner, req, claim, lease, turn, wait).await,
+                Some(mode) => external::run(self, inner, req, claim, mode, turn, wait).await,
                 None => {
                     let response = local::run(self, inner, req, claim, wait).await;
                     drop(turn);
