@@ -34,6 +34,9 @@ use crate::secret::{KeySecrets, migrate_for_start};
 use crate::serve::shutdown_signal;
 use crate::{ApiKeys, AppDb};
 
+use self::metrics::GatewayMetrics;
+
+mod metrics;
 mod proxy;
 mod reconciler;
 mod seal;
@@ -387,7 +390,7 @@ struct Inner<S> {
     previous_sealer: Option<KeySealer>,
     /// The status resource, under both secrets during a rotation.
     status: Router,
-    metrics: Metrics,
+    metrics: GatewayMetrics,
     /// The options, with the connections kept to the upstream.
     forwarder: Arc<proxy::Forwarder>,
     /// Per route rule (same order as `options.routes`): the layer's external mode around
@@ -448,7 +451,7 @@ async fn authenticate<S: AppDb>(
 }
 
 fn router<S: AppDb>(gw: Gateway<S>) -> Router {
-    let metrics = gw.metrics.clone();
+    let registry = gw.metrics.registry();
     let proxied = Router::new()
         .fallback(proxy::handle::<S>)
         .with_state(gw.clone());
@@ -459,18 +462,7 @@ fn router<S: AppDb>(gw: Gateway<S>) -> Router {
         .layer(from_fn_with_state(gw, authenticate::<S>));
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
-        .route(
-            "/metrics",
-            get(move || {
-                let metrics = metrics.clone();
-                async move {
-                    (
-                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                        metrics.render(),
-                    )
-                }
-            }),
-        )
+        .route("/metrics", crate::metrics::route(registry))
         .merge(api)
 }
 
@@ -527,7 +519,7 @@ fn build<S: AppDb>(
         sealer,
         previous_sealer,
         status: base.status_router(),
-        metrics,
+        metrics: GatewayMetrics::new(metrics),
         forwarder,
         keyed,
         layers,

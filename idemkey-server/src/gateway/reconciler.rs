@@ -34,9 +34,9 @@ use idemkey_core::{
     AfterEffect, Clock, Decision, ListFilter, Progress, Record, RecordState, StoredResponse,
     Timestamp, answer_not_captured, decide, reconciled,
 };
-use idemkey_tower::Reconciled;
 
 use super::Gateway;
+use super::metrics::Reconciled;
 use crate::AppDb;
 
 /// Records asked about per round, at most.
