@@ -1,29 +1,54 @@
-//! The outbox's metrics, in the Prometheus text format.
+//! The outbox's metrics, kept with `prometheus-client`.
 
-use std::fmt::Write;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 
 use idemkey_core::Timestamp;
 use idemkey_core::outbox::OutboxStats;
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
-/// Counters of deliveries by outcome, and the last-read sizes of the outbox. Cheap to
-/// clone: clones share their counts.
+/// Counters of deliveries by outcome, and the last-read sizes of the outbox: a relay given
+/// one (`Relay::metrics`) counts into it, and an application shows it with its own metrics
+/// (`register` in its [`Registry`]) or alone (`render`). Cheap to clone: clones share their
+/// counts.
 #[derive(Debug, Clone, Default)]
 pub struct OutboxMetrics {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug, Default)]
+type Label = [(&'static str, &'static str); 1];
+
+#[derive(Debug)]
 struct Inner {
-    acknowledged: AtomicU64,
-    failed: AtomicU64,
-    dead: AtomicU64,
-    pending_now: AtomicU64,
-    dead_now: AtomicU64,
-    /// Milliseconds since the epoch; 0 when nothing is pending.
-    oldest_pending: AtomicI64,
-    read_at: AtomicI64,
+    deliveries: Family<Label, Counter>,
+    acknowledged: Counter,
+    failed: Counter,
+    dead: Counter,
+    pending_now: Gauge,
+    dead_now: Gauge,
+    oldest_pending_age: Gauge<f64, AtomicU64>,
+}
+
+impl Default for Inner {
+    fn default() -> Self {
+        let deliveries = Family::<Label, Counter>::default();
+        let series = |outcome| deliveries.get_or_create_owned(&[("outcome", outcome)]);
+        let (acknowledged, failed, dead) =
+            (series("acknowledged"), series("failed"), series("dead"));
+        Self {
+            deliveries,
+            acknowledged,
+            failed,
+            dead,
+            pending_now: Gauge::default(),
+            dead_now: Gauge::default(),
+            oldest_pending_age: Gauge::default(),
+        }
+    }
 }
 
 /// What became of one delivery attempt.
@@ -40,75 +65,128 @@ impl OutboxMetrics {
         Self::default()
     }
 
+    /// Adds the `idemkey_outbox_*` families to `registry`, which the application encodes
+    /// with its own metrics (`prometheus_client::encoding::prometheus_text::encode`).
+    pub fn register(&self, registry: &mut Registry) {
+        let i = &self.inner;
+        registry.register(
+            "idemkey_outbox_pending",
+            "Outbox messages waiting to be delivered",
+            i.pending_now.clone(),
+        );
+        registry.register(
+            "idemkey_outbox_dead",
+            "Outbox messages whose attempts ran out",
+            i.dead_now.clone(),
+        );
+        registry.register(
+            "idemkey_outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending message",
+            i.oldest_pending_age.clone(),
+        );
+        registry.register(
+            "idemkey_outbox_deliveries",
+            "Delivery attempts by outcome",
+            i.deliveries.clone(),
+        );
+    }
+
+    /// `idemkey_outbox_*` alone in the Prometheus text format (`text/plain; version=0.0.4`);
+    /// beside other metrics, see [`OutboxMetrics::register`].
+    pub fn render(&self) -> String {
+        let mut registry = Registry::default();
+        self.register(&mut registry);
+        let mut text = String::new();
+        // Writing to a `String` does not fail.
+        let _ = prometheus_text::encode(&mut text, &registry);
+        text
+    }
+
     pub(crate) fn delivery(&self, outcome: Delivery) {
-        let counter = match outcome {
+        match outcome {
             Delivery::Acknowledged => &self.inner.acknowledged,
             Delivery::Failed => &self.inner.failed,
             Delivery::Dead => &self.inner.dead,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+        }
+        .inc();
     }
 
     pub(crate) fn observe(&self, stats: OutboxStats, now: Timestamp) {
-        self.inner
-            .pending_now
-            .store(stats.pending, Ordering::Relaxed);
-        self.inner.dead_now.store(stats.dead, Ordering::Relaxed);
-        self.inner.oldest_pending.store(
-            stats.oldest_pending.map_or(0, Timestamp::as_millis),
-            Ordering::Relaxed,
-        );
-        self.inner.read_at.store(now.as_millis(), Ordering::Relaxed);
+        let i = &self.inner;
+        i.pending_now.set(saturating_i64(stats.pending));
+        i.dead_now.set(saturating_i64(stats.dead));
+        let age_ms = stats
+            .oldest_pending
+            .map_or(0, |oldest| (now.as_millis() - oldest.as_millis()).max(0));
+        i.oldest_pending_age.set(age_ms as f64 / 1000.0);
     }
 
     /// Deliveries the sink acknowledged.
     pub fn acknowledged(&self) -> u64 {
-        self.inner.acknowledged.load(Ordering::Relaxed)
+        self.inner.acknowledged.get()
     }
 
     /// Deliveries that failed and will be tried again.
     pub fn failed(&self) -> u64 {
-        self.inner.failed.load(Ordering::Relaxed)
+        self.inner.failed.get()
     }
 
     /// Deliveries that failed for the last time: their message is dead.
     pub fn dead(&self) -> u64 {
-        self.inner.dead.load(Ordering::Relaxed)
+        self.inner.dead.get()
     }
+}
 
-    /// `idemkey_outbox_*` in the Prometheus text format.
-    pub fn render(&self) -> String {
-        let i = &self.inner;
-        let oldest = i.oldest_pending.load(Ordering::Relaxed);
-        let read_at = i.read_at.load(Ordering::Relaxed);
-        let age = if oldest == 0 {
-            0.0
-        } else {
-            (read_at - oldest).max(0) as f64 / 1000.0
-        };
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_outbox_pending Outbox messages waiting to be delivered.\n\
-             # TYPE idemkey_outbox_pending gauge\n\
-             idemkey_outbox_pending {}\n\
-             # HELP idemkey_outbox_dead Outbox messages whose attempts ran out.\n\
-             # TYPE idemkey_outbox_dead gauge\n\
-             idemkey_outbox_dead {}\n\
-             # HELP idemkey_outbox_oldest_pending_age_seconds Age of the oldest pending message.\n\
-             # TYPE idemkey_outbox_oldest_pending_age_seconds gauge\n\
-             idemkey_outbox_oldest_pending_age_seconds {age:.3}\n\
-             # HELP idemkey_outbox_deliveries_total Delivery attempts by outcome.\n\
-             # TYPE idemkey_outbox_deliveries_total counter\n\
-             idemkey_outbox_deliveries_total{{outcome=\"acknowledged\"}} {}\n\
-             idemkey_outbox_deliveries_total{{outcome=\"failed\"}} {}\n\
-             idemkey_outbox_deliveries_total{{outcome=\"dead\"}} {}",
-            i.pending_now.load(Ordering::Relaxed),
-            i.dead_now.load(Ordering::Relaxed),
-            i.acknowledged.load(Ordering::Relaxed),
-            i.failed.load(Ordering::Relaxed),
-            i.dead.load(Ordering::Relaxed),
+fn saturating_i64(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_the_sizes_read_and_the_deliveries_counted() {
+        let m = OutboxMetrics::new();
+        let text = m.render();
+        assert!(text.contains("idemkey_outbox_pending 0\n"), "{text}");
+        assert!(text.contains("idemkey_outbox_oldest_pending_age_seconds 0.0\n"));
+        assert!(text.contains("idemkey_outbox_deliveries_total{outcome=\"dead\"} 0\n"));
+
+        m.delivery(Delivery::Acknowledged);
+        m.delivery(Delivery::Acknowledged);
+        m.delivery(Delivery::Failed);
+        m.delivery(Delivery::Dead);
+        let now = Timestamp(1_000_000);
+        m.observe(
+            OutboxStats {
+                pending: 3,
+                dead: 1,
+                oldest_pending: Some(Timestamp(1_000_000 - 2_500)),
+            },
+            now,
         );
-        out
+        let text = m.render();
+        assert!(text.contains("idemkey_outbox_pending 3\n"), "{text}");
+        assert!(text.contains("idemkey_outbox_dead 1\n"), "{text}");
+        assert!(text.contains("idemkey_outbox_oldest_pending_age_seconds 2.5\n"));
+        assert!(text.contains("idemkey_outbox_deliveries_total{outcome=\"acknowledged\"} 2\n"));
+        assert!(text.contains("idemkey_outbox_deliveries_total{outcome=\"failed\"} 1\n"));
+        assert!(text.contains("idemkey_outbox_deliveries_total{outcome=\"dead\"} 1\n"));
+        assert_eq!((m.acknowledged(), m.failed(), m.dead()), (2, 1, 1));
+
+        // Nothing pending: the age is 0 again.
+        m.observe(
+            OutboxStats {
+                pending: 0,
+                dead: 1,
+                oldest_pending: None,
+            },
+            now,
+        );
+        assert!(
+            m.render()
+                .contains("idemkey_outbox_oldest_pending_age_seconds 0.0\n")
+        );
     }
 }

@@ -96,6 +96,9 @@ pub struct OutboxArgs {
 /// `idemkey relay`.
 #[derive(Debug, Clone, Args)]
 pub struct RelayArgs {
+    /// Address to serve `GET /metrics` on (the outbox's metrics).
+    #[arg(long, default_value = "127.0.0.1:8082")]
+    pub listen: SocketAddr,
     /// The database.
     #[command(flatten)]
     pub db: DbArgs,

@@ -15,6 +15,7 @@ use axum::routing::{get, post};
 use idemkey_core::{Clock, FirstSentPolicy};
 use idemkey_outbox::OutboxMetrics;
 use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics};
+use prometheus_client::registry::Registry;
 
 mod auth;
 pub mod bench;
@@ -24,6 +25,7 @@ pub mod demo;
 pub mod gateway;
 mod http_server;
 pub mod keys;
+mod metrics;
 pub mod outbox;
 mod payments;
 pub mod problem;
@@ -137,7 +139,11 @@ pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &App
         simulate_latency: config.simulate_latency,
         emit_messages: config.outbox.is_some(),
     };
-    let outbox_metrics = config.outbox.clone();
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    if let Some(outbox) = &config.outbox {
+        outbox.register(&mut registry);
+    }
     let api = Router::new()
         .route(
             "/v1/payments",
@@ -167,20 +173,6 @@ pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &App
         ));
     Router::new()
         .route("/healthz", get(healthz::<S>).with_state(db.clone()))
-        .route(
-            "/metrics",
-            get(move || {
-                let mut text = metrics.render();
-                if let Some(outbox) = &outbox_metrics {
-                    text.push_str(&outbox.render());
-                }
-                async move {
-                    (
-                        [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                        text,
-                    )
-                }
-            }),
-        )
+        .route("/metrics", crate::metrics::route(registry))
         .merge(api)
 }

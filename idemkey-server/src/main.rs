@@ -176,7 +176,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Relay(args) => {
             let url = &args.db.database_url;
             let db = open_existing(url, args.db.max_connections, DEFAULT_WAIT).await?;
-            with_store!(db, store => idemkey_server::outbox::relay(store, &args.outbox).await)
+            with_store!(db, store => idemkey_server::outbox::relay(store, &args.outbox, args.listen).await)
         }
         Command::Outbox(command) => {
             let db_args = match &command {

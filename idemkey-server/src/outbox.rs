@@ -2,20 +2,24 @@
 //! `idemkey relay` run, and `idemkey outbox …`, the operator's view of the messages.
 
 use std::io::Write;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use axum::Router;
 use idemkey_core::Timestamp;
 use idemkey_outbox::{
     Backoff, DeliveryError, Message, MessageFilter, MessageState, NatsConfig, NatsSink,
     OutboxAuditEntry, OutboxMetrics, Relay, RelayConfig, RelayTask, Sink, WebhookSink, envelope,
     redact_sink_urls,
 };
+use prometheus_client::registry::Registry;
 use tokio::sync::OnceCell;
 
 use crate::AppDb;
 use crate::cli::{MessageStateArg, OutboxArgs, OutboxCommand};
+use crate::http_server::{self, HttpLimits};
 use crate::secret::SecretUrl;
 
 /// Where messages go.
@@ -114,13 +118,24 @@ pub fn spawn_relay<S: AppDb>(
         .spawn()
 }
 
-/// `idemkey relay`: delivers until SIGTERM or Ctrl-C, then finishes the round in progress.
-pub async fn relay<S: AppDb>(db: S, args: &OutboxArgs) -> anyhow::Result<()> {
+/// `idemkey relay`: delivers until SIGTERM or Ctrl-C, then finishes the round in progress;
+/// meanwhile serves its metrics at `GET /metrics` on `listen`.
+pub async fn relay<S: AppDb>(db: S, args: &OutboxArgs, listen: SocketAddr) -> anyhow::Result<()> {
     let sink =
         OutboxSink::from_args(args)?.context("nowhere to deliver: pass --outbox-webhook URL, or --outbox-nats URL --outbox-subject SUBJECT")?;
+    let limits = HttpLimits::default();
+    let listener = http_server::bind(listen, &limits, 1).await?;
+    let metrics = OutboxMetrics::new();
+    let mut registry = Registry::default();
+    metrics.register(&mut registry);
+    let app = Router::new().route("/metrics", crate::metrics::route(registry));
     println!("idemkey relay delivering to {}", sink.describe());
-    let task = spawn_relay(db, sink, args, OutboxMetrics::new());
-    crate::serve::shutdown_signal().await;
+    println!(
+        "idemkey relay serving its metrics on http://{}/metrics",
+        listener.local_addr()?
+    );
+    let task = spawn_relay(db, sink, args, metrics);
+    http_server::run(listener, app, limits, crate::serve::shutdown_signal()).await;
     task.shutdown().await;
     println!("idemkey relay stopped");
     Ok(())

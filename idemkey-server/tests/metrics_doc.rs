@@ -1,22 +1,46 @@
-//! `docs/metrics.md` names exactly the metrics `idemkey serve` serves: a server on SQLite
-//! with an outbox sink (so the outbox's families are served too) takes a payment and its
-//! replay, and every family of its `/metrics`, with its type and labels, is a row of the
-//! page, and every row is a family it serves. The gateway serves the layer's families from
-//! the same code. The Grafana dashboard's expressions name only documented metrics, and each
-//! documented one has a panel.
+//! `docs/metrics.md` names exactly the metrics each process serves: a server on SQLite with
+//! an outbox sink (so the outbox's families are served too) takes a payment and its replay,
+//! and every family of its `/metrics`, with its type and labels, is a row of the page's
+//! layer and outbox tables, and every such row is a family it serves. The gateway serves
+//! the layer's and its reconciler's tables, `idemkey relay` the outbox's. The Grafana
+//! dashboard's expressions name only documented metrics, and each documented one has a
+//! panel.
 
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use axum::Router;
+use axum::body::Body;
 use axum::routing::post;
+use clap::Parser;
 use http::StatusCode;
+use idemkey_core::Store;
+use idemkey_outbox::{Outgoing, enqueue_on};
+use idemkey_server::cli::{Cli, Command as CliCommand};
+use idemkey_server::gateway::GatewayOptions;
+use idemkey_server::{AppDb, KeySecrets};
+use idemkey_sqlite::SqliteStore;
+use idemkey_tower::Metrics;
 use serde_json::Value;
+use tower::ServiceExt;
 
 use common::gateway::serve_on_own_thread;
 use common::{Backend, TOKEN1, payment};
+
+/// The sections of `docs/metrics.md` whose tables list metrics, by who serves them.
+const LAYER: &str = "The idempotency layer";
+const RECONCILER: &str = "The gateway's reconciler";
+const OUTBOX: &str = "The outbox";
+
+/// The content type every `/metrics` answers with.
+const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4";
 
 /// A metric family's type and label names (`le` left out).
 type Families = BTreeMap<String, (String, BTreeSet<String>)>;
@@ -25,24 +49,38 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The rows of `docs/metrics.md`'s tables: `` | `name` | type | `label`, … or — | meaning | ``.
-fn documented() -> Families {
+/// The rows of `docs/metrics.md`'s tables (`` | `name` | type | `label`, … or — | meaning | ``)
+/// under the `## ` headings of `sections`; every row when `sections` is empty.
+fn documented_in(sections: &[&str]) -> Families {
     let text = std::fs::read_to_string(root().join("docs/metrics.md")).expect("docs/metrics.md");
-    text.lines()
-        .filter(|line| line.starts_with("| `idemkey_"))
-        .map(|line| {
-            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
-            let name = cells[1].trim_matches('`').to_owned();
-            let kind = cells[2].to_owned();
-            let labels = cells[3]
-                .split(',')
-                .map(|l| l.trim().trim_matches('`'))
-                .filter(|l| !l.is_empty() && *l != "—")
-                .map(str::to_owned)
-                .collect();
-            (name, (kind, labels))
-        })
-        .collect()
+    let mut section = "";
+    let mut families = Families::new();
+    for line in text.lines() {
+        if let Some(heading) = line.strip_prefix("## ") {
+            section = heading.trim();
+            continue;
+        }
+        if !line.starts_with("| `idemkey_") || !(sections.is_empty() || sections.contains(&section))
+        {
+            continue;
+        }
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let name = cells[1].trim_matches('`').to_owned();
+        let kind = cells[2].to_owned();
+        let labels = cells[3]
+            .split(',')
+            .map(|l| l.trim().trim_matches('`'))
+            .filter(|l| !l.is_empty() && *l != "—")
+            .map(str::to_owned)
+            .collect();
+        families.insert(name, (kind, labels));
+    }
+    families
+}
+
+/// Every row of `docs/metrics.md`'s tables.
+fn documented() -> Families {
+    documented_in(&[])
 }
 
 /// The family of a sample's series name: itself, or a histogram's `_bucket`, `_sum`, `_count`.
@@ -132,11 +170,8 @@ async fn every_served_metric_is_documented_and_every_documented_one_is_served() 
 
     let answer = api.get("/metrics", None).await;
     assert_eq!(answer.status, 200);
-    assert_eq!(
-        answer.header("content-type"),
-        Some("text/plain; version=0.0.4")
-    );
-    assert_same(&documented(), &served(&answer.text()));
+    assert_eq!(answer.header("content-type"), Some(PROMETHEUS_TEXT));
+    assert_same(&documented_in(&[LAYER, OUTBOX]), &served(&answer.text()));
 
     // The two attempts are counted as the page says.
     assert_eq!(api.metric("idemkey_attempts_total").await, 2);
@@ -148,6 +183,138 @@ async fn every_served_metric_is_documented_and_every_documented_one_is_served() 
 
     let health = api.get("/healthz", None).await;
     assert_eq!((health.status, health.text().as_str()), (200, "ok\n"));
+}
+
+/// The gateway (its `app`, in this process) serves the layer's families and its
+/// reconciler's, each documented.
+#[tokio::test]
+async fn the_gateway_serves_the_layer_and_reconciler_families() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("gateway.db").display());
+    let line = [
+        "idemkey",
+        "gateway",
+        "--database-url",
+        &url,
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--api-key",
+        "t1=tok1",
+    ];
+    let CliCommand::Gateway(args) = Cli::try_parse_from(line).unwrap().command else {
+        panic!("not a gateway command line");
+    };
+    let options = GatewayOptions::from_args(&args).unwrap();
+    let db = SqliteStore::connect(&url).await.unwrap();
+    db.migrate_all().await.unwrap();
+    let secrets = KeySecrets::new(&b"metrics doc gateway secret, 32 bytes long"[..], None);
+    let app = idemkey_server::gateway::app(db, &secrets, Metrics::new(), &options);
+    let request = http::Request::get("/metrics").body(Body::empty()).unwrap();
+    let response = app.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        response.headers()[http::header::CONTENT_TYPE],
+        PROMETHEUS_TEXT
+    );
+    let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    assert_same(&documented_in(&[LAYER, RECONCILER]), &served(&text));
+    assert!(
+        text.contains("idemkey_reconciled_total{result=\"still_unknown\"} 0\n"),
+        "{text}"
+    );
+}
+
+/// A child process, killed (and waited for) when dropped, the test passing or not.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `idemkey relay` serves `GET /metrics` on `--listen`: the outbox's families, documented,
+/// counting the deliveries it makes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_serves_the_outbox_families_and_counts_its_deliveries() {
+    const MESSAGES: usize = 2;
+    let delivered = Arc::new(AtomicUsize::new(0));
+    let counter = delivered.clone();
+    let sink = serve_on_own_thread(Router::new().route(
+        "/hook",
+        post(move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+            async { StatusCode::OK }
+        }),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("relay.db").display());
+    let db = SqliteStore::connect(&url).await.unwrap();
+    db.migrate_all().await.unwrap();
+    for i in 0..MESSAGES {
+        let mut tx = db.begin().await.unwrap();
+        let message = Outgoing::new("test.metrics", &serde_json::json!({ "n": i })).unwrap();
+        enqueue_on::<SqliteStore>(&mut tx, &format!("op-{i}"), message)
+            .await
+            .unwrap();
+        db.commit(tx).await.unwrap();
+    }
+
+    let mut relay = Killed(
+        Command::new(env!("CARGO_BIN_EXE_idemkey"))
+            .args(["relay", "--database-url", &url, "--listen", "127.0.0.1:0"])
+            .args(["--outbox-webhook", &format!("http://{sink}/hook")])
+            .env_remove("IDEMKEY_DATABASE_URL")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start idemkey relay"),
+    );
+    let stdout = relay.0.stdout.take().unwrap();
+    let address = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout).lines().find_map(|line| {
+            let line = line.ok()?;
+            let rest = line.split_once("metrics on http://")?.1;
+            Some(rest.trim_end_matches("/metrics").to_owned())
+        })
+    })
+    .await
+    .unwrap();
+    let address = address.expect("idemkey relay prints its metrics address");
+
+    let scrape = || async {
+        let response = reqwest::get(format!("http://{address}/metrics"))
+            .await
+            .expect("GET /metrics of the relay");
+        assert_eq!(response.status(), 200);
+        let content_type = response.headers()[http::header::CONTENT_TYPE].clone();
+        assert_eq!(content_type, PROMETHEUS_TEXT);
+        response.text().await.unwrap()
+    };
+    let acknowledged =
+        format!("idemkey_outbox_deliveries_total{{outcome=\"acknowledged\"}} {MESSAGES}\n");
+    // A bounded poll of another process.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let text = loop {
+        let text = scrape().await;
+        if text.contains(&acknowledged) {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the relay's /metrics does not count {MESSAGES} deliveries:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    drop(relay);
+    assert_same(&documented_in(&[OUTBOX]), &served(&text));
+    assert_eq!(delivered.load(Ordering::SeqCst), MESSAGES);
+    assert!(text.contains("idemkey_outbox_deliveries_total{outcome=\"failed\"} 0\n"));
+    assert!(text.contains("idemkey_outbox_deliveries_total{outcome=\"dead\"} 0\n"));
 }
 
 /// Every `expr` of the dashboard, found wherever it is nested.

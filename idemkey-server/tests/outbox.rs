@@ -437,6 +437,8 @@ async fn operator_commands_and_the_relay_process(backend: Backend) {
     let hook = receiver.start().await;
     let mut relay = Command::new(env!("CARGO_BIN_EXE_idemkey"))
         .args(["relay", "--database-url", url, "--outbox-webhook", &hook])
+        // Each backend's test runs its relay at once: each its own port.
+        .args(["--listen", "127.0.0.1:0"])
         .env_remove("IDEMKEY_DATABASE_URL")
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -42,7 +42,7 @@ pub use self::cache::UNNOTIFIED_BOUND as REPLAY_CACHE_UNNOTIFIED_BOUND;
 pub use self::clock::SystemClock;
 pub use self::external::External;
 pub use self::layer::{IdempotencyLayer, STATUS_PATH};
-pub use self::metrics::{Metrics, Outcome, Reconciled};
+pub use self::metrics::{Metrics, Outcome};
 pub use self::policy::{InFlightPolicy, KeyRequirement};
 pub use self::problem::{IdempotencyRejection, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 pub use self::purge::{PURGE_BATCH, PurgeStats, PurgeTask};

@@ -1,11 +1,17 @@
-//! Counters and latency histograms, rendered in the Prometheus text format.
+//! The layer's counters and latency histograms, kept with `prometheus-client`: each
+//! series's handle is made once, with the metrics, so recording is an atomic add (a short
+//! lock for a histogram), without a look-up by name.
 
-use std::fmt::Write;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idemkey_core::AfterEffect;
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 
 /// What happened to one keyed request; a label of the counters and histograms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,89 +35,128 @@ pub enum Outcome {
     Rejected,
 }
 
-const OUTCOMES: [(Outcome, &str); 8] = [
-    (Outcome::Executed, "executed"),
-    (Outcome::NotStored, "not_stored"),
-    (Outcome::Replayed, "replayed"),
-    (Outcome::Mismatched, "mismatched"),
-    (Outcome::InFlight, "in_flight"),
-    (Outcome::Indeterminate, "indeterminate"),
-    (Outcome::StoreError, "store_error"),
-    (Outcome::Rejected, "rejected"),
-];
+impl Outcome {
+    /// Every outcome, in the order of the handles kept for them.
+    const ALL: [Outcome; 8] = [
+        Outcome::Executed,
+        Outcome::NotStored,
+        Outcome::Replayed,
+        Outcome::Mismatched,
+        Outcome::InFlight,
+        Outcome::Indeterminate,
+        Outcome::StoreError,
+        Outcome::Rejected,
+    ];
 
-/// What a reconciler made of one operation whose outcome was unknown.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Reconciled {
-    /// The other service knew the operation: its answer is stored and replayed.
-    Completed,
-    /// The other service did not know it: the key is free, the next retry executes.
-    Released,
-    /// No usable answer: still unknown, asked again later.
-    StillUnknown,
+    /// Its value of the `outcome` label.
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::NotStored => "not_stored",
+            Outcome::Replayed => "replayed",
+            Outcome::Mismatched => "mismatched",
+            Outcome::InFlight => "in_flight",
+            Outcome::Indeterminate => "indeterminate",
+            Outcome::StoreError => "store_error",
+            Outcome::Rejected => "rejected",
+        }
+    }
+
+    /// Its place in [`Outcome::ALL`].
+    fn index(self) -> usize {
+        self as usize
+    }
 }
 
-const RECONCILED: [(Reconciled, &str); 3] = [
-    (Reconciled::Completed, "resolved_completed"),
-    (Reconciled::Released, "resolved_released"),
-    (Reconciled::StillUnknown, "still_unknown"),
+/// The writes an external-mode owner makes once it is done, in the order of their handles.
+const OWNER_WRITES: [AfterEffect; 3] = [
+    AfterEffect::Complete,
+    AfterEffect::Release,
+    AfterEffect::Indeterminate,
 ];
 
-/// The writes an external-mode owner makes once it is done, as metric labels.
-const OWNER_WRITES: [(AfterEffect, &str); 3] = [
-    (AfterEffect::Complete, "complete"),
-    (AfterEffect::Release, "release"),
-    (AfterEffect::Indeterminate, "indeterminate"),
-];
+/// Its value of the `write` label and its place in [`OWNER_WRITES`].
+fn owner_write(write: AfterEffect) -> (&'static str, usize) {
+    match write {
+        AfterEffect::Complete => ("complete", 0),
+        AfterEffect::Release => ("release", 1),
+        AfterEffect::Indeterminate => ("indeterminate", 2),
+    }
+}
 
 /// Upper bounds of the latency buckets, in seconds.
 const BUCKETS: [f64; 14] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
-#[derive(Debug, Default)]
-struct Histogram {
-    buckets: [AtomicU64; BUCKETS.len()],
-    count: AtomicU64,
-    sum_micros: AtomicU64,
+/// One label, as the families here are keyed.
+type Label = [(&'static str, &'static str); 1];
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(BUCKETS)
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Inner {
-    attempts: AtomicU64,
-    outcomes: [AtomicU64; OUTCOMES.len()],
-    latency: [Histogram; OUTCOMES.len()],
-    purged: AtomicU64,
-    purge_rounds: AtomicU64,
-    marked_indeterminate: AtomicU64,
-    owner_write_failures: [AtomicU64; OWNER_WRITES.len()],
-    reconciled: [AtomicU64; RECONCILED.len()],
-    replay_cache_hits: AtomicU64,
-    waiting_in_process: AtomicU64,
+    attempts: Counter,
+    requests: Family<Label, Counter>,
+    latency: Family<Label, Histogram, fn() -> Histogram>,
+    owner_write_failures: Family<Label, Counter>,
+    /// The series of the families above, by [`Outcome::index`] and [`owner_write`].
+    by_outcome: [(Counter, Histogram); Outcome::ALL.len()],
+    by_owner_write: [Counter; OWNER_WRITES.len()],
+    purged: Counter,
+    purge_rounds: Counter,
+    marked_indeterminate: Counter,
+    replay_cache_hits: Counter,
+    waiting_in_process: Gauge,
 }
 
-/// One request counted in `idemkey_waiting_in_process` while it lives.
-pub(crate) struct Waiting(Arc<Inner>);
-
-impl Drop for Waiting {
-    fn drop(&mut self) {
-        self.0.waiting_in_process.fetch_sub(1, Ordering::Relaxed);
+impl Default for Inner {
+    fn default() -> Self {
+        let requests = Family::<Label, Counter>::default();
+        let latency = Family::new_with_constructor(latency_histogram as fn() -> Histogram);
+        let owner_write_failures = Family::<Label, Counter>::default();
+        let by_outcome = Outcome::ALL.map(|o| {
+            let label = [("outcome", o.label())];
+            (
+                requests.get_or_create_owned(&label),
+                latency.get_or_create_owned(&label),
+            )
+        });
+        let by_owner_write = OWNER_WRITES
+            .map(|w| owner_write_failures.get_or_create_owned(&[("write", owner_write(w).0)]));
+        Self {
+            attempts: Counter::default(),
+            requests,
+            latency,
+            owner_write_failures,
+            by_outcome,
+            by_owner_write,
+            purged: Counter::default(),
+            purge_rounds: Counter::default(),
+            marked_indeterminate: Counter::default(),
+            replay_cache_hits: Counter::default(),
+            waiting_in_process: Gauge::default(),
+        }
     }
 }
 
-/// The layer's metrics. Cheap to clone; share one between the layers of an application and
-/// render it at `/metrics`.
+/// One request counted in `idemkey_waiting_in_process` while it lives.
+pub(crate) struct Waiting(Gauge);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// The layer's metrics: the layers given one (`.metrics(m)`) count into it, and an
+/// application shows it with its own (`register` in its [`Registry`]) or alone (`render`).
+/// Cheap to clone; clones share their counts.
 #[derive(Debug, Clone, Default)]
 pub struct Metrics {
     inner: Arc<Inner>,
-}
-
-fn index(outcome: Outcome) -> usize {
-    OUTCOMES
-        .iter()
-        .position(|(o, _)| *o == outcome)
-        .unwrap_or(OUTCOMES.len() - 1)
 }
 
 impl Metrics {
@@ -137,112 +182,73 @@ impl Metrics {
         Self::default()
     }
 
-    /// Counts one transport attempt on a keyed route (refused ones included), so attempts
-    /// equal the sum of the outcomes.
-    pub fn attempt(&self) {
-        self.inner.attempts.fetch_add(1, Ordering::Relaxed);
+    /// Adds every `idemkey_*` family of the layer to `registry`, which the application
+    /// encodes with its own metrics (`prometheus_client::encoding::prometheus_text::encode`).
+    /// The families stay live: the registry shows the counts at each encoding.
+    ///
+    /// ```
+    /// use idemkey_tower::Metrics;
+    /// use prometheus_client::{encoding::prometheus_text::encode, registry::Registry};
+    ///
+    /// let metrics = Metrics::new(); // also given to each layer with `.metrics(metrics.clone())`
+    /// let mut registry = Registry::default();
+    /// metrics.register(&mut registry);
+    /// // … the application's own metrics, in the same registry …
+    /// let mut text = String::new();
+    /// encode(&mut text, &registry).unwrap();
+    /// assert!(text.contains("idemkey_attempts_total 0\n"));
+    /// ```
+    pub fn register(&self, registry: &mut Registry) {
+        let i = &self.inner;
+        registry.register(
+            "idemkey_attempts",
+            "Write requests on keyed routes: every transport attempt, refused ones included",
+            i.attempts.clone(),
+        );
+        registry.register(
+            "idemkey_requests",
+            "Keyed requests by outcome",
+            i.requests.clone(),
+        );
+        registry.register(
+            "idemkey_request_duration_seconds",
+            "Latency of keyed requests by outcome",
+            i.latency.clone(),
+        );
+        registry.register(
+            "idemkey_purged",
+            "Expired records deleted by the purge",
+            i.purged.clone(),
+        );
+        registry.register(
+            "idemkey_purge_rounds",
+            "Rounds of the purge that ended, with or without an error",
+            i.purge_rounds.clone(),
+        );
+        registry.register(
+            "idemkey_marked_indeterminate",
+            "Operations sent upstream whose outcome became unknown (time-out, reset, closed connection)",
+            i.marked_indeterminate.clone(),
+        );
+        registry.register(
+            "idemkey_owner_write_failures",
+            "An owner's final writes that failed after every retry; the record is left to its lease",
+            i.owner_write_failures.clone(),
+        );
+        registry.register(
+            "idemkey_replay_cache_hits",
+            "Keyed requests answered from the in-process replay cache, without the store (replays and key-reused refusals; also counted in idemkey_requests_total)",
+            i.replay_cache_hits.clone(),
+        );
+        registry.register(
+            "idemkey_waiting_in_process",
+            "Keyed requests waiting in memory, without a database connection, for another attempt of their key in this process",
+            i.waiting_in_process.clone(),
+        );
     }
 
-    /// Counts an outcome and its latency.
-    pub fn record(&self, outcome: Outcome, elapsed: Duration) {
-        let i = index(outcome);
-        self.inner.outcomes[i].fetch_add(1, Ordering::Relaxed);
-        let h = &self.inner.latency[i];
-        let secs = elapsed.as_secs_f64();
-        for (bucket, bound) in h.buckets.iter().zip(BUCKETS) {
-            if secs <= bound {
-                bucket.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        h.count.fetch_add(1, Ordering::Relaxed);
-        h.sum_micros
-            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
-    }
-
-    /// Counts records deleted by the purge.
-    pub fn purged(&self, n: u64) {
-        self.inner.purged.fetch_add(n, Ordering::Relaxed);
-    }
-
-    /// Counts a round of the purge that ended (with or without an error).
-    pub fn purge_round(&self) {
-        self.inner.purge_rounds.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Counts an operation this process marked indeterminate (sent, no complete answer).
-    pub fn marked_indeterminate(&self) {
-        self.inner
-            .marked_indeterminate
-            .fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Counts an owner's final write (complete, release, mark indeterminate) that the store
-    /// kept refusing after every retry: the record is left to its lease.
-    pub fn owner_write_failed(&self, write: AfterEffect) {
-        if let Some(i) = OWNER_WRITES.iter().position(|(w, _)| *w == write) {
-            self.inner.owner_write_failures[i].fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// How many of an owner's final writes of this kind failed.
-    pub fn owner_write_failures(&self, write: AfterEffect) -> u64 {
-        OWNER_WRITES
-            .iter()
-            .position(|(w, _)| *w == write)
-            .map_or(0, |i| {
-                self.inner.owner_write_failures[i].load(Ordering::Relaxed)
-            })
-    }
-
-    /// Counts one reconciliation attempt by its result.
-    pub fn reconciled(&self, result: Reconciled) {
-        let i = RECONCILED
-            .iter()
-            .position(|(r, _)| *r == result)
-            .unwrap_or(RECONCILED.len() - 1);
-        self.inner.reconciled[i].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// How many reconciliation attempts ended in `result`.
-    pub fn reconciled_count(&self, result: Reconciled) -> u64 {
-        RECONCILED
-            .iter()
-            .position(|(r, _)| *r == result)
-            .map_or(0, |i| self.inner.reconciled[i].load(Ordering::Relaxed))
-    }
-
-    /// Counts a keyed request answered from the replay cache, without the store (a replay,
-    /// or a 422 for a different request); it is also counted by its outcome.
-    pub fn replay_cache_hit(&self) {
-        self.inner.replay_cache_hits.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// How many keyed requests the replay cache answered.
-    pub fn replay_cache_hits(&self) -> u64 {
-        self.inner.replay_cache_hits.load(Ordering::Relaxed)
-    }
-
-    /// Counts a request waiting, in memory, for another attempt of its key in this process,
-    /// until the returned guard is dropped.
-    pub(crate) fn waiting(&self) -> Waiting {
-        self.inner
-            .waiting_in_process
-            .fetch_add(1, Ordering::Relaxed);
-        Waiting(self.inner.clone())
-    }
-
-    /// Requests waiting now, in memory and without a database connection, for another
-    /// attempt of their key in this process to end.
-    pub fn waiting_in_process(&self) -> u64 {
-        self.inner.waiting_in_process.load(Ordering::Relaxed)
-    }
-
-    /// How many requests ended in `outcome`.
-    pub fn count(&self, outcome: Outcome) -> u64 {
-        self.inner.outcomes[index(outcome)].load(Ordering::Relaxed)
-    }
-
-    /// The Prometheus text exposition of every metric.
+    /// These metrics alone in the Prometheus text format (`text/plain; version=0.0.4`), for
+    /// an application with no metrics of its own; otherwise see [`Metrics::register`].
     ///
     /// ```
     /// use axum::{Router, routing::get};
@@ -258,110 +264,81 @@ impl Metrics {
     /// );
     /// ```
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let inner = &self.inner;
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_attempts_total Write requests on keyed routes: every transport attempt, refused ones included.\n\
-             # TYPE idemkey_attempts_total counter\n\
-             idemkey_attempts_total {}",
-            inner.attempts.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_requests_total Keyed requests by outcome.\n\
-             # TYPE idemkey_requests_total counter"
-        );
-        for (i, (_, name)) in OUTCOMES.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "idemkey_requests_total{{outcome=\"{name}\"}} {}",
-                inner.outcomes[i].load(Ordering::Relaxed)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_request_duration_seconds Latency of keyed requests by outcome.\n\
-             # TYPE idemkey_request_duration_seconds histogram"
-        );
-        for (i, (_, name)) in OUTCOMES.iter().enumerate() {
-            let h = &inner.latency[i];
-            for (bucket, bound) in h.buckets.iter().zip(BUCKETS) {
-                let _ = writeln!(
-                    out,
-                    "idemkey_request_duration_seconds_bucket{{outcome=\"{name}\",le=\"{bound}\"}} {}",
-                    bucket.load(Ordering::Relaxed)
-                );
-            }
-            let count = h.count.load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "idemkey_request_duration_seconds_bucket{{outcome=\"{name}\",le=\"+Inf\"}} {count}\n\
-                 idemkey_request_duration_seconds_sum{{outcome=\"{name}\"}} {}\n\
-                 idemkey_request_duration_seconds_count{{outcome=\"{name}\"}} {count}",
-                h.sum_micros.load(Ordering::Relaxed) as f64 / 1e6
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_purged_total Expired records deleted by the purge.\n\
-             # TYPE idemkey_purged_total counter\n\
-             idemkey_purged_total {}",
-            inner.purged.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_purge_rounds_total Rounds of the purge that ended, with or without an error.\n\
-             # TYPE idemkey_purge_rounds_total counter\n\
-             idemkey_purge_rounds_total {}",
-            inner.purge_rounds.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_marked_indeterminate_total Operations sent upstream whose outcome became unknown (time-out, reset, closed connection).\n\
-             # TYPE idemkey_marked_indeterminate_total counter\n\
-             idemkey_marked_indeterminate_total {}",
-            inner.marked_indeterminate.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_owner_write_failures_total An owner's final writes that failed after every retry; the record is left to its lease.\n\
-             # TYPE idemkey_owner_write_failures_total counter"
-        );
-        for (i, (_, name)) in OWNER_WRITES.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "idemkey_owner_write_failures_total{{write=\"{name}\"}} {}",
-                inner.owner_write_failures[i].load(Ordering::Relaxed)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_reconciled_total Reconciliation attempts of operations whose outcome was unknown, by result.\n\
-             # TYPE idemkey_reconciled_total counter"
-        );
-        for (i, (_, name)) in RECONCILED.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "idemkey_reconciled_total{{result=\"{name}\"}} {}",
-                inner.reconciled[i].load(Ordering::Relaxed)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_replay_cache_hits_total Keyed requests answered from the in-process replay cache, without the store (replays and key-reused refusals; also counted in idemkey_requests_total).\n\
-             # TYPE idemkey_replay_cache_hits_total counter\n\
-             idemkey_replay_cache_hits_total {}",
-            inner.replay_cache_hits.load(Ordering::Relaxed)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP idemkey_waiting_in_process Keyed requests waiting in memory, without a database connection, for another attempt of their key in this process.\n\
-             # TYPE idemkey_waiting_in_process gauge\n\
-             idemkey_waiting_in_process {}",
-            inner.waiting_in_process.load(Ordering::Relaxed)
-        );
-        out
+        let mut registry = Registry::default();
+        self.register(&mut registry);
+        let mut text = String::new();
+        // Writing to a `String` does not fail.
+        let _ = prometheus_text::encode(&mut text, &registry);
+        text
+    }
+
+    /// Counts one transport attempt on a keyed route (refused ones included), so attempts
+    /// equal the sum of the outcomes.
+    pub(crate) fn attempt(&self) {
+        self.inner.attempts.inc();
+    }
+
+    /// Counts an outcome and its latency.
+    pub(crate) fn record(&self, outcome: Outcome, elapsed: Duration) {
+        let (count, latency) = &self.inner.by_outcome[outcome.index()];
+        count.inc();
+        latency.observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts records deleted by the purge.
+    pub(crate) fn purged(&self, n: u64) {
+        self.inner.purged.inc_by(n);
+    }
+
+    /// Counts a round of the purge that ended (with or without an error).
+    pub(crate) fn purge_round(&self) {
+        self.inner.purge_rounds.inc();
+    }
+
+    /// Counts an operation this process marked indeterminate (sent, no complete answer).
+    pub(crate) fn marked_indeterminate(&self) {
+        self.inner.marked_indeterminate.inc();
+    }
+
+    /// Counts an owner's final write (complete, release, mark indeterminate) that the store
+    /// kept refusing after every retry: the record is left to its lease.
+    pub(crate) fn owner_write_failed(&self, write: AfterEffect) {
+        self.inner.by_owner_write[owner_write(write).1].inc();
+    }
+
+    /// Counts a keyed request answered from the replay cache, without the store (a replay,
+    /// or a 422 for a different request); it is also counted by its outcome.
+    pub(crate) fn replay_cache_hit(&self) {
+        self.inner.replay_cache_hits.inc();
+    }
+
+    /// Counts a request waiting, in memory, for another attempt of its key in this process,
+    /// until the returned guard is dropped.
+    pub(crate) fn waiting(&self) -> Waiting {
+        let gauge = self.inner.waiting_in_process.clone();
+        gauge.inc();
+        Waiting(gauge)
+    }
+
+    /// How many of an owner's final writes of this kind failed.
+    pub fn owner_write_failures(&self, write: AfterEffect) -> u64 {
+        self.inner.by_owner_write[owner_write(write).1].get()
+    }
+
+    /// How many keyed requests the replay cache answered.
+    pub fn replay_cache_hits(&self) -> u64 {
+        self.inner.replay_cache_hits.get()
+    }
+
+    /// Requests waiting now, in memory and without a database connection, for another
+    /// attempt of their key in this process to end.
+    pub fn waiting_in_process(&self) -> u64 {
+        u64::try_from(self.inner.waiting_in_process.get()).unwrap_or(0)
+    }
+
+    /// How many requests ended in `outcome`.
+    pub fn count(&self, outcome: Outcome) -> u64 {
+        self.inner.by_outcome[outcome.index()].0.get()
     }
 }
 
@@ -388,15 +365,11 @@ mod tests {
         ));
         assert_eq!(m.count(Outcome::Replayed), 1);
         m.marked_indeterminate();
-        m.reconciled(Reconciled::Released);
         let text = m.render();
         assert!(
             text.contains("idemkey_marked_indeterminate_total 1\n"),
             "{text}"
         );
-        assert!(text.contains("idemkey_reconciled_total{result=\"resolved_released\"} 1\n"));
-        assert!(text.contains("idemkey_reconciled_total{result=\"still_unknown\"} 0\n"));
-        assert_eq!(m.reconciled_count(Reconciled::Released), 1);
         m.owner_write_failed(AfterEffect::Release);
         let text = m.render();
         assert!(text.contains("idemkey_owner_write_failures_total{write=\"release\"} 1\n"));
@@ -405,5 +378,51 @@ mod tests {
         m.replay_cache_hit();
         assert!(m.render().contains("idemkey_replay_cache_hits_total 1\n"));
         assert_eq!(m.replay_cache_hits(), 1);
+    }
+
+    /// Each outcome's handles are the series of its label, whatever the enum's order.
+    #[test]
+    fn each_outcome_counts_under_its_own_label() {
+        let m = Metrics::new();
+        for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
+            for _ in 0..=n {
+                m.record(outcome, Duration::from_millis(1));
+            }
+        }
+        let text = m.render();
+        for (n, outcome) in Outcome::ALL.into_iter().enumerate() {
+            let label = outcome.label();
+            assert_eq!(m.count(outcome), n as u64 + 1);
+            assert!(
+                text.contains(&format!(
+                    "idemkey_requests_total{{outcome=\"{label}\"}} {}\n",
+                    n + 1
+                )),
+                "{label}: {text}"
+            );
+            assert!(
+                text.contains(&format!(
+                    "idemkey_request_duration_seconds_count{{outcome=\"{label}\"}} {}\n",
+                    n + 1
+                )),
+                "{label}: {text}"
+            );
+        }
+        for write in OWNER_WRITES {
+            assert_eq!(m.owner_write_failures(write), 0);
+        }
+    }
+
+    /// The gauge of waiting requests follows the guards' lives.
+    #[test]
+    fn waiting_counts_while_the_guard_lives() {
+        let m = Metrics::new();
+        let first = m.waiting();
+        let second = m.waiting();
+        assert_eq!(m.waiting_in_process(), 2);
+        drop(first);
+        assert!(m.render().contains("idemkey_waiting_in_process 1\n"));
+        drop(second);
+        assert_eq!(m.waiting_in_process(), 0);
     }
 }

@@ -36,7 +36,10 @@ use crate::http_server::{self, HttpLimits};
 use crate::secret::{KeySecrets, SecretUse, key_secrets};
 use crate::serve::shutdown_signal;
 
+use self::metrics::GatewayMetrics;
+
 mod db;
+mod metrics;
 mod proxy;
 mod reconciler;
 mod rejection;
@@ -395,7 +398,7 @@ struct Inner<S> {
     previous_sealer: Option<KeySealer>,
     /// The status resource, under both secrets during a rotation.
     status: Router,
-    metrics: Metrics,
+    metrics: GatewayMetrics,
     /// The options, with the connections kept to the upstream.
     forwarder: Arc<proxy::Forwarder>,
     /// Per route rule (same order as `options.routes`): the layer's external mode around
@@ -456,7 +459,7 @@ async fn authenticate<S: GatewayDb>(
 }
 
 fn router<S: GatewayDb>(gw: Gateway<S>) -> Router {
-    let metrics = gw.metrics.clone();
+    let registry = gw.metrics.registry();
     let proxied = Router::new()
         .fallback(proxy::handle::<S>)
         .with_state(gw.clone());
@@ -467,18 +470,7 @@ fn router<S: GatewayDb>(gw: Gateway<S>) -> Router {
         .layer(from_fn_with_state(gw, authenticate::<S>));
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
-        .route(
-            "/metrics",
-            get(move || {
-                let metrics = metrics.clone();
-                async move {
-                    (
-                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                        metrics.render(),
-                    )
-                }
-            }),
-        )
+        .route("/metrics", crate::metrics::route(registry))
         .merge(api)
 }
 
@@ -535,7 +527,7 @@ fn build<S: GatewayDb>(
         sealer,
         previous_sealer,
         status: base.status_router(),
-        metrics,
+        metrics: GatewayMetrics::new(metrics),
         forwarder,
         keyed,
         layers,

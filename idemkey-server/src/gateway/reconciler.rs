@@ -34,10 +34,10 @@ use idemkey_core::{
     AfterEffect, Clock, Decision, ListFilter, Progress, Record, RecordState, StoredResponse,
     Timestamp, answer_not_captured, decide, reconciled,
 };
-use idemkey_tower::Reconciled;
 
 use super::Gateway;
 use super::GatewayDb;
+use super::metrics::Reconciled;
 
 /// Records asked about per round, at most.
 const BATCH: usize = 100;
