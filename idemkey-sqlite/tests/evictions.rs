@@ -2,20 +2,20 @@
 //! stores: each writes the announcement with the eviction and follows the table.
 
 use futures::StreamExt;
-use idemkey_core::{EvictionNotice, Store};
+use idemkey_core::{EvictionNotice, EvictionNotices, Store, StoreAdmin};
 use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use idemkey_testkit::conformance::record_id;
 
 /// `follower` says it listens, then `announcer` evicts a record (and announces it on the
 /// eviction's transaction): `follower` hands out that record's digest.
-async fn an_announced_eviction_reaches_the_follower<S: Store, T: Store>(
+async fn an_announced_eviction_reaches_the_follower<S: Store, T: StoreAdmin>(
     follower: &S,
     announcer: &T,
 ) {
     let mut notices = follower
         .eviction_notices()
         .expect("a SQLite store follows evictions");
-    assert_eq!(notices.next().await, Some(EvictionNotice::Listening));
+    assert_eq!(next(&mut notices).await, Some(EvictionNotice::Listening));
 
     let id = record_id("t1", "/v1/payments", "k-evicted");
     let mut tx = announcer.begin().await.unwrap();
@@ -24,9 +24,18 @@ async fn an_announced_eviction_reaches_the_follower<S: Store, T: Store>(
     announcer.commit(tx).await.unwrap();
 
     assert_eq!(
-        notices.next().await,
+        next(&mut notices).await,
         Some(EvictionNotice::Evicted(id.digest()))
     );
+}
+
+/// The next notice, or a failure if none comes within a bound far above the follower's poll
+/// interval: a follower that stopped reading the table fails the test instead of hanging it.
+async fn next(notices: &mut EvictionNotices) -> Option<EvictionNotice> {
+    let bound = idemkey_sqlite::EVICTION_POLL * 120;
+    tokio::time::timeout(bound, notices.next())
+        .await
+        .expect("the follower hands out a notice")
 }
 
 #[tokio::test]
