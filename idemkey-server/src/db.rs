@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::path::Path;
 
-use idemkey_core::{Store, StoreAdmin};
+use idemkey_core::Store;
 use idemkey_core::outbox::OutboxStore;
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::rusqlite::{self, OptionalExtension};

@@ -512,7 +512,7 @@ async fn complete_one<S: idemkey_core::Store>(store: &S, key: &str, now: Timesta
         panic!("a fresh key is owned: {outcome:?}");
     };
     let response = idemkey_testkit::conformance::response(r#"{"id":"order-1"}"#);
-    protocol::complete(store, &mut tx, &id, token, &response)
+    protocol::complete(store, &mut tx, &id, token, &response, now)
         .await
         .unwrap();
     store.commit(tx).await.unwrap();

@@ -8,7 +8,7 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use idemkey_core::{Clock, IdempotencyKey, KeyHasher, Record, RecordId, Store, StoreAdmin, Timestamp};
+use idemkey_core::{Clock, IdempotencyKey, KeyHasher, Record, RecordId, StoreAdmin, Timestamp};
 use serde::Serialize;
 
 use crate::layer::STATUS_PATH;
