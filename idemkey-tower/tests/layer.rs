@@ -983,7 +983,7 @@ async fn a_duplicate_waits_until_the_bound_passes_on_the_layers_clock() {
     let clock = ManualClock::new();
     let bound = Duration::from_secs(5);
     let app = app(layer(&store)
-        .required()
+        .requirement(KeyRequirement::Required)
         .in_flight(idemkey_tower::InFlightPolicy::Wait(bound))
         .clock(clock.clone()));
     let body = r#"{"status": 201}"#;
