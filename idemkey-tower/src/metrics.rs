@@ -1,16 +1,17 @@
 //! The layer's counters and latency histograms, kept with `prometheus-client`: each
-//! series's handle is made once, with the metrics, so recording is an atomic add (a short
-//! lock for a histogram), without a look-up by name.
+//! series's handle is made once, with the metrics, so recording is a few atomic adds,
+//! without a look-up by name or a lock.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idemkey_core::AfterEffect;
-use prometheus_client::encoding::prometheus_text;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet, prometheus_text};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 
 /// What happened to one keyed request; a label of the counters and histograms.
@@ -92,18 +93,61 @@ const BUCKETS: [f64; 14] = [
 /// One label, as the families here are keyed.
 type Label = [(&'static str, &'static str); 1];
 
-fn latency_histogram() -> Histogram {
-    Histogram::new(BUCKETS)
+/// A latency histogram over [`BUCKETS`], in atomics: an observation is three atomic adds
+/// (prometheus-client's `Histogram` takes a lock, which a preempted holder makes every
+/// request wait for). prometheus-client encodes it.
+#[derive(Debug, Clone, Default)]
+struct Latency(Arc<LatencyCounts>);
+
+#[derive(Debug, Default)]
+struct LatencyCounts {
+    /// Observations per bucket, not cumulative; those over the last bound are only counted.
+    buckets: [AtomicU64; BUCKETS.len()],
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+impl Latency {
+    fn observe(&self, elapsed: Duration) {
+        let secs = elapsed.as_secs_f64();
+        if let Some(i) = BUCKETS.iter().position(|bound| secs <= *bound) {
+            self.0.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.0.count.fetch_add(1, Ordering::Relaxed);
+        let micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+        self.0.sum_micros.fetch_add(micros, Ordering::Relaxed);
+    }
+}
+
+impl TypedMetric for Latency {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Latency {
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let buckets: Vec<(f64, u64)> = BUCKETS
+            .iter()
+            .zip(&self.0.buckets)
+            .map(|(bound, n)| (*bound, n.load(Ordering::Relaxed)))
+            .collect();
+        let sum = self.0.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let count = self.0.count.load(Ordering::Relaxed);
+        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
 }
 
 #[derive(Debug)]
 struct Inner {
     attempts: Counter,
     requests: Family<Label, Counter>,
-    latency: Family<Label, Histogram, fn() -> Histogram>,
+    latency: Family<Label, Latency>,
     owner_write_failures: Family<Label, Counter>,
     /// The series of the families above, by [`Outcome::index`] and [`owner_write`].
-    by_outcome: [(Counter, Histogram); Outcome::ALL.len()],
+    by_outcome: [(Counter, Latency); Outcome::ALL.len()],
     by_owner_write: [Counter; OWNER_WRITES.len()],
     purged: Counter,
     purge_rounds: Counter,
@@ -115,7 +159,7 @@ struct Inner {
 impl Default for Inner {
     fn default() -> Self {
         let requests = Family::<Label, Counter>::default();
-        let latency = Family::new_with_constructor(latency_histogram as fn() -> Histogram);
+        let latency = Family::<Label, Latency>::default();
         let owner_write_failures = Family::<Label, Counter>::default();
         let by_outcome = Outcome::ALL.map(|o| {
             let label = [("outcome", o.label())];
@@ -282,7 +326,7 @@ impl Metrics {
     pub(crate) fn record(&self, outcome: Outcome, elapsed: Duration) {
         let (count, latency) = &self.inner.by_outcome[outcome.index()];
         count.inc();
-        latency.observe(elapsed.as_secs_f64());
+        latency.observe(elapsed);
     }
 
     /// Counts records deleted by the purge.
@@ -411,6 +455,35 @@ mod tests {
         for write in OWNER_WRITES {
             assert_eq!(m.owner_write_failures(write), 0);
         }
+    }
+
+    /// Buckets are cumulative; an observation past the last bound is only in `+Inf`.
+    #[test]
+    fn renders_cumulative_buckets_and_the_sum_in_seconds() {
+        let m = Metrics::new();
+        m.record(Outcome::Executed, Duration::from_micros(700));
+        m.record(Outcome::Executed, Duration::from_millis(2));
+        m.record(Outcome::Executed, Duration::from_secs(20));
+        let text = m.render();
+        let series = |le: &str, n: u64| {
+            format!(
+                "idemkey_request_duration_seconds_bucket{{outcome=\"executed\",le=\"{le}\"}} {n}\n"
+            )
+        };
+        for (le, n) in [
+            ("0.0005", 0),
+            ("0.001", 1),
+            ("0.0025", 2),
+            ("10", 2),
+            ("+Inf", 3),
+        ] {
+            assert!(text.contains(&series(le, n)), "le {le}: {text}");
+        }
+        assert!(text.contains("idemkey_request_duration_seconds_count{outcome=\"executed\"} 3\n"));
+        assert!(
+            text.contains("idemkey_request_duration_seconds_sum{outcome=\"executed\"} 20.0027\n"),
+            "{text}"
+        );
     }
 
     /// The gauge of waiting requests follows the guards' lives.
