@@ -5,7 +5,7 @@
 //! and replay it without the database. The only way such a record goes away early is an
 //! operator's eviction; a store that can announce evictions to every process (PostgreSQL's
 //! `LISTEN`/`NOTIFY`) implements [`Store::eviction_notices`](crate::Store::eviction_notices)
-//! and [`Store::notify_evicted`](crate::Store::notify_evicted). A store that cannot leaves
+//! and [`StoreAdmin::notify_evicted`](crate::StoreAdmin::notify_evicted). A store that cannot leaves
 //! both at their defaults, and caches bound the life of their entries instead.
 
 use std::pin::Pin;

@@ -16,7 +16,8 @@
 //!   external-mode record once its owner is done (complete / release / indeterminate), with
 //!   [`owner_progress`], [`answer_not_captured`], [`local_after_effect`] (local mode) and
 //!   [`reconciled`] (the gateway's reconciler) beside it;
-//! - [`Store`]: the SQL primitives a backend provides;
+//! - [`Store`]: the SQL primitives of the claim protocol a backend provides, and
+//!   [`StoreAdmin`] the operator's (list, look up, evict, purge, audit);
 //! - [`protocol`]: the claim protocol on top of them, written once for every store;
 //! - [`outbox`]: the SQL primitives of the transactional outbox ([`outbox::OutboxStore`]).
 //!
@@ -59,6 +60,6 @@ pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredRespons
 pub use self::redact::{CREDENTIAL_PARAMETERS, redact_url};
 pub use self::scope::{KeyHasher, RecordId, Scope};
 pub use self::store::{
-    Begun, BoxError, CommitError, Inserted, ListFilter, Purged, Store, StoreError,
+    Begun, BoxError, CommitError, Inserted, ListFilter, Purged, Store, StoreAdmin, StoreError,
 };
 pub use self::time::{Clock, SystemClock, Timestamp};

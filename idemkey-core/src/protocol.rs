@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use crate::{
     AuditEntry, Begun, Clock, Decision, Fingerprint, Inserted, Mismatch, NewRecord, Record,
-    RecordId, RecordState, Store, StoreError, StoredResponse, SystemClock, Timestamp, decide,
+    RecordId, RecordState, Store, StoreAdmin, StoreError, StoredResponse, SystemClock, Timestamp,
+    decide,
 };
 
 /// How many times the claim inserts again after the record it lost to vanished (released,
@@ -510,7 +511,7 @@ pub enum Resolution {
 /// the action, the stored status and `note`) in the same transaction.
 ///
 /// Returns the record as it was before it was resolved.
-pub async fn resolve<S: Store>(
+pub async fn resolve<S: StoreAdmin>(
     store: &S,
     id: &RecordId,
     resolution: &Resolution,
@@ -561,7 +562,7 @@ pub async fn resolve<S: Store>(
 /// Deletes every record expired at `now`, `batch` rows per statement, the earliest expiry
 /// first, each batch committed on its own so live traffic is never blocked for long. Returns
 /// how many it deleted.
-pub async fn purge_expired<S: Store>(store: &S, now: Timestamp, batch: u32) -> Result<u64> {
+pub async fn purge_expired<S: StoreAdmin>(store: &S, now: Timestamp, batch: u32) -> Result<u64> {
     let batch = batch.max(1);
     let mut total = 0;
     let mut from = None;

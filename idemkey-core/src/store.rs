@@ -1,12 +1,16 @@
-//! The store trait: the SQL primitives a backend provides.
+//! The store traits: the SQL primitives a backend provides.
 //!
 //! A store holds only SQL and row mapping. Every decision about a record is made by
 //! [`decide`](crate::decide) and carried out by the protocol in [`crate::protocol`]; each
 //! primitive here is one statement (the claim's [`Store::insert`] may be two on a store
-//! that cannot read the existing row in the inserting statement). Two are steps joined so a
-//! store can send them in one round trip: [`Store::begin_claim`] (begin, then claim) and
-//! [`Store::complete_and_commit`] (complete, then commit); by default they run the steps
-//! one by one.
+//! that cannot read the existing row in the inserting statement).
+//!
+//! [`Store`] holds what the claim protocol, the layer's modes and its replay cache need: the
+//! protocol's statements as required methods, and its fast paths as provided methods over
+//! them that a store overrides where it can do better ([`Store::begin_claim`]: begin, then
+//! claim; [`Store::complete_and_commit`]: complete, then commit; the autocommit writes of
+//! external mode). [`StoreAdmin`] adds the operator's statements: listing, looking up by
+//! key, eviction, the purge and the audit trail.
 //!
 //! Writes that follow a claim carry the owner's fencing token and are refused (they return
 //! `false`) when the record no longer carries it.
@@ -81,7 +85,7 @@ pub enum Begun<T> {
     Held,
 }
 
-/// What one [`Store::purge_batch`] deleted.
+/// What one [`StoreAdmin::purge_batch`] deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Purged {
     /// How many records it deleted.
@@ -91,7 +95,7 @@ pub struct Purged {
     pub through: Option<Timestamp>,
 }
 
-/// Filters for [`Store::list`].
+/// Filters for [`StoreAdmin::list`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ListFilter {
     /// Only this tenant's records.
@@ -115,7 +119,7 @@ impl ListFilter {
     }
 }
 
-/// The SQL primitives of an idempotency store.
+/// The SQL primitives of the claim protocol.
 ///
 /// `Connection` is the backend's connection type (`SqliteConnection`, `PgConnection`); a
 /// `Transaction` dereferences to it, so the claim and the caller's own effect share it.
@@ -304,6 +308,17 @@ pub trait Store: Clone + Send + Sync + 'static {
         token: i64,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
+    /// The evictions other processes announce with [`StoreAdmin::notify_evicted`], for an
+    /// in-process cache of completed records to follow. `None` (the default): this store
+    /// announces none, so a cache must not trust an entry for long.
+    fn eviction_notices(&self) -> Option<EvictionNotices> {
+        None
+    }
+}
+
+/// The operator's statements: what `idemkey keys`, the status resource, the purge and the
+/// gateway's reconciler read and delete, beside the claim protocol's [`Store`].
+pub trait StoreAdmin: Store {
     /// Records matching `filter`, newest first.
     fn list(
         &self,
@@ -353,7 +368,7 @@ pub trait Store: Clone + Send + Sync + 'static {
         id: &RecordId,
     ) -> impl Future<Output = Result<Vec<AuditEntry>, StoreError>> + Send;
 
-    /// Announces, to every process that follows [`eviction_notices`](Self::eviction_notices),
+    /// Announces, to every process that follows [`eviction_notices`](Store::eviction_notices),
     /// that the record `id` was removed: on a transaction, when it commits. Called by an
     /// operator's eviction beside [`evict`](Self::evict). The default announces nothing (the
     /// store has no channel; caches bound their entries' life instead).
@@ -364,13 +379,6 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         let _ = (conn, id);
         async { Ok(()) }
-    }
-
-    /// The evictions other processes announce with [`notify_evicted`](Self::notify_evicted),
-    /// for an in-process cache of completed records to follow. `None` (the default): this
-    /// store announces none, so a cache must not trust an entry for long.
-    fn eviction_notices(&self) -> Option<EvictionNotices> {
-        None
     }
 }
 

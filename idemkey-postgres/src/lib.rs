@@ -15,6 +15,7 @@
 //! commits (then it replays) or rolls back (then it owns the key). Claims of different keys
 //! never wait for each other.
 
+mod admin;
 mod connect;
 mod group;
 mod kept;

@@ -4,8 +4,8 @@
 use std::future::Future;
 use std::path::Path;
 
-use idemkey_core::Store;
 use idemkey_core::outbox::OutboxStore;
+use idemkey_core::{Store, StoreAdmin};
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::rusqlite::{self, OptionalExtension};
 use idemkey_sqlite::{RusqliteStore, SqliteStore};
@@ -90,7 +90,7 @@ pub enum PaymentWrite {
 }
 
 /// A store that also holds the payments tables.
-pub trait AppDb: Store + OutboxStore {
+pub trait AppDb: StoreAdmin + OutboxStore {
     /// Whether the database is embedded in the server (SQLite), where keeping the key secret
     /// in the database is the default for convenience.
     const EMBEDDED: bool;

@@ -16,7 +16,7 @@
 
 use idemkey_core::{
     AuditEntry, EvictionNotices, Inserted, ListFilter, Members, NewRecord, Purged, Record,
-    RecordId, Store, StoreError, StoredResponse, Timestamp,
+    RecordId, Store, StoreAdmin, StoreError, StoredResponse, Timestamp,
 };
 use idemkey_sqlx::{AuditRow, RecordRow};
 use rusqlite::{Connection, OptionalExtension, params};
@@ -339,6 +339,12 @@ impl Store for RusqliteStore {
         )
     }
 
+    fn eviction_notices(&self) -> Option<EvictionNotices> {
+        Some(evictions::follow(self.clone()))
+    }
+}
+
+impl StoreAdmin for RusqliteStore {
     async fn list(
         &self,
         conn: &mut Connection,
@@ -469,10 +475,6 @@ impl Store for RusqliteStore {
             .and_then(|mut s| s.execute(params![&id.digest()[..], now.as_millis()]))
             .map_err(error)?;
         Ok(())
-    }
-
-    fn eviction_notices(&self) -> Option<EvictionNotices> {
-        Some(evictions::follow(self.clone()))
     }
 }
 

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use idemkey_core::{
     AuditEntry, Begun, CommitError, EvictionNotices, Inserted, ListFilter, Members, NewRecord,
-    Purged, Record, RecordId, Store, StoreError, StoredResponse, Timestamp,
+    Purged, Record, RecordId, Store, StoreAdmin, StoreError, StoredResponse, Timestamp,
 };
 use idemkey_sqlx::{AuditRow, Code, RecordRow, bind_completion, classify_error};
 use sqlx::sqlite::{SqliteConnection, SqlitePool};
@@ -356,6 +356,12 @@ impl Store for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 
+    fn eviction_notices(&self) -> Option<EvictionNotices> {
+        Some(evictions::follow(self.pool.clone()))
+    }
+}
+
+impl StoreAdmin for SqliteStore {
     async fn list(
         &self,
         conn: &mut SqliteConnection,
@@ -473,9 +479,5 @@ impl Store for SqliteStore {
             .await
             .map_err(error)?;
         Ok(())
-    }
-
-    fn eviction_notices(&self) -> Option<EvictionNotices> {
-        Some(evictions::follow(self.pool.clone()))
     }
 }

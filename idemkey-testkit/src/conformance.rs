@@ -9,7 +9,7 @@ use std::time::Duration;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease, Resolution};
 use idemkey_core::{
     Fingerprint, FingerprintParts, FingerprintSpec, IdempotencyKey, Inserted, KeyHasher,
-    ListFilter, NewRecord, Purged, RecordId, RecordState, RequestParts, Scope, Store,
+    ListFilter, NewRecord, Purged, RecordId, RecordState, RequestParts, Scope, Store, StoreAdmin,
     StoredResponse, Timestamp,
 };
 use tokio::sync::Barrier;
@@ -17,8 +17,8 @@ use tokio::sync::Barrier;
 /// A store under test, on its own fresh database, with a table of effects the tests write
 /// next to their claims.
 pub trait Harness: Send + Sync + 'static {
-    /// The store under test.
-    type Store: Store;
+    /// The store under test: the claim protocol's statements and the operator's.
+    type Store: StoreAdmin;
 
     /// The store (migrated).
     fn store(&self) -> &Self::Store;
@@ -734,7 +734,11 @@ pub async fn purge_takes_the_earliest_expiry_first_from_where_it_is_told<H: Harn
 }
 
 /// The expiries of the records left, in minutes after `base`, earliest first.
-async fn minutes_after<S: Store>(store: &S, conn: &mut S::Connection, base: Timestamp) -> Vec<i64> {
+async fn minutes_after<S: StoreAdmin>(
+    store: &S,
+    conn: &mut S::Connection,
+    base: Timestamp,
+) -> Vec<i64> {
     let mut minutes: Vec<i64> = store
         .list(conn, &ListFilter::default())
         .await

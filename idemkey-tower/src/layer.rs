@@ -481,15 +481,15 @@ impl<S> IdempotencyLayer<S> {
     ///
     /// ```
     /// # use axum::Router;
-    /// # use idemkey_core::Store;
+    /// # use idemkey_core::StoreAdmin;
     /// # use idemkey_tower::IdempotencyLayer;
-    /// # fn f<S: Store>(idempotency: IdempotencyLayer<S>) -> Router {
+    /// # fn f<S: StoreAdmin>(idempotency: IdempotencyLayer<S>) -> Router {
     /// Router::new().merge(idempotency.status_router()) // GET /idempotency/v1/keys/{key}
     /// # }
     /// ```
     pub fn status_router(&self) -> axum::Router
     where
-        S: idemkey_core::Store,
+        S: idemkey_core::StoreAdmin,
     {
         crate::status::router(
             self.store.clone(),

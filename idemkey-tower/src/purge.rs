@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemkey_core::{Clock, Store, StoreError, Timestamp};
+use idemkey_core::{Clock, StoreAdmin, StoreError, Timestamp};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -39,7 +39,7 @@ fn next_batch(batch: u32, took: Duration) -> u32 {
 /// purge pauses as long as the batch took, so it holds the store at most half the time
 /// while there is a backlog; and the batch size follows [`next_batch`], so one batch holds
 /// it for about [`BATCH_TARGET`]. `batch` carries the size from round to round.
-async fn purge_round<S: Store>(
+async fn purge_round<S: StoreAdmin>(
     store: &S,
     now: Timestamp,
     batch: &mut u32,
@@ -121,7 +121,7 @@ impl PurgeTask {
     /// println!("purged {} expired records", stats.borrow().purged);
     /// # }
     /// ```
-    pub fn spawn<S: Store>(
+    pub fn spawn<S: StoreAdmin>(
         store: S,
         every: Duration,
         metrics: Metrics,
@@ -169,7 +169,7 @@ impl Drop for PurgeTask {
     }
 }
 
-impl<S: Store> IdempotencyLayer<S> {
+impl<S: StoreAdmin> IdempotencyLayer<S> {
     /// Starts the purge of this layer's store every `every`, counting into this layer's
     /// [`Metrics`] and reading this layer's clock. See [`PurgeTask`].
     ///

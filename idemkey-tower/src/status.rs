@@ -7,7 +7,7 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use idemkey_core::{IdempotencyKey, KeyHasher, Record, RecordId, Store, Timestamp};
+use idemkey_core::{IdempotencyKey, KeyHasher, Record, RecordId, StoreAdmin, Timestamp};
 use serde::Serialize;
 
 use crate::layer::STATUS_PATH;
@@ -85,11 +85,11 @@ impl From<&Record> for RecordView {
 /// After a key-secret rotation, use
 /// [`IdempotencyLayer::status_router`](crate::IdempotencyLayer::status_router), which also
 /// finds records made under the previous secret.
-pub fn status_router<S: Store>(store: S, hasher: KeyHasher) -> axum::Router {
+pub fn status_router<S: StoreAdmin>(store: S, hasher: KeyHasher) -> axum::Router {
     router(store, hasher, None)
 }
 
-pub(crate) fn router<S: Store>(
+pub(crate) fn router<S: StoreAdmin>(
     store: S,
     hasher: KeyHasher,
     previous_hasher: Option<KeyHasher>,
@@ -126,7 +126,7 @@ fn percent_decode(segment: &str) -> Vec<u8> {
     out
 }
 
-async fn key_status<S: Store>(
+async fn key_status<S: StoreAdmin>(
     State(state): State<StatusState<S>>,
     tenant: Option<axum::Extension<Tenant>>,
     uri: http::Uri,

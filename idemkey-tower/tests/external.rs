@@ -14,7 +14,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http::{Request, StatusCode};
-use idemkey_core::{KeyHasher, ListFilter, RecordState, Store};
+use idemkey_core::{KeyHasher, ListFilter, RecordState, Store, StoreAdmin};
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{
     EXPIRES_HEADER, External, IdempotencyLayer, InFlightPolicy, Metrics, REPLAYED_HEADER,

@@ -17,8 +17,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http::{Request, StatusCode};
 use idemkey_core::{
-    AuditEntry, Begun, CommitError, EvictionNotices, Inserted, KeyHasher, ListFilter, NewRecord,
-    Purged, Record, RecordId, Store, StoreError, StoredResponse, Timestamp,
+    Begun, CommitError, EvictionNotices, Inserted, KeyHasher, NewRecord, Record, RecordId, Store,
+    StoreError, StoredResponse, Timestamp,
 };
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{External, IdempotencyLayer, Metrics, REPLAYED_HEADER};
@@ -196,61 +196,6 @@ impl<S: Store> Store for Counting<S> {
         token: i64,
     ) -> Result<bool, StoreError> {
         self.inner.release(conn, id, token).await
-    }
-
-    async fn list(
-        &self,
-        conn: &mut Self::Connection,
-        filter: &ListFilter,
-    ) -> Result<Vec<Record>, StoreError> {
-        self.inner.list(conn, filter).await
-    }
-
-    async fn find_by_key(
-        &self,
-        conn: &mut Self::Connection,
-        tenant: &str,
-        key_hash: &[u8; 32],
-    ) -> Result<Vec<Record>, StoreError> {
-        self.inner.find_by_key(conn, tenant, key_hash).await
-    }
-
-    async fn evict(&self, conn: &mut Self::Connection, id: &RecordId) -> Result<bool, StoreError> {
-        self.inner.evict(conn, id).await
-    }
-
-    async fn purge_batch(
-        &self,
-        conn: &mut Self::Connection,
-        now: Timestamp,
-        from: Option<Timestamp>,
-        batch: u32,
-    ) -> Result<Purged, StoreError> {
-        self.inner.purge_batch(conn, now, from, batch).await
-    }
-
-    async fn append_audit(
-        &self,
-        conn: &mut Self::Connection,
-        entry: &AuditEntry,
-    ) -> Result<(), StoreError> {
-        self.inner.append_audit(conn, entry).await
-    }
-
-    async fn audit(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-    ) -> Result<Vec<AuditEntry>, StoreError> {
-        self.inner.audit(conn, id).await
-    }
-
-    async fn notify_evicted(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-    ) -> Result<(), StoreError> {
-        self.inner.notify_evicted(conn, id).await
     }
 
     fn eviction_notices(&self) -> Option<EvictionNotices> {

@@ -225,7 +225,7 @@ async fn expired_entry_is_not_replayed() {
 /// request runs again, with no bound to wait out.
 #[tokio::test]
 async fn an_eviction_by_another_process_reaches_the_cache() {
-    use idemkey_core::{ListFilter, Store};
+    use idemkey_core::{ListFilter, Store, StoreAdmin};
     let (_dir, store) = setup().await;
     let metrics = Metrics::new();
     let layer = layer(&store, &metrics);

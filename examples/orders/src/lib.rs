@@ -24,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use http::{StatusCode, header};
-use idemkey_core::{KeyHasher, Store};
+use idemkey_core::{KeyHasher, StoreAdmin};
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{IdempotencyLayer, Metrics, PurgeTask, Tenant, Tx, status_router};
@@ -34,7 +34,7 @@ pub type ApiKeys = Arc<HashMap<String, String>>;
 
 /// The application's own SQL, per store: its table, and the order its handler writes on the
 /// claim's transaction.
-pub trait OrdersDb: Store + Clone + Send + Sync + 'static {
+pub trait OrdersDb: StoreAdmin + Clone + Send + Sync + 'static {
     /// Creates the `orders` table if it is not there.
     fn create_table(&self) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 

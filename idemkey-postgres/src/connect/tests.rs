@@ -1,4 +1,4 @@
-use idemkey_core::{ListFilter, Store};
+use idemkey_core::{ListFilter, Store, StoreAdmin};
 
 use super::*;
 use crate::listen::{NotListening, listen};
