@@ -1,12 +1,13 @@
 //! External mode's grouped writes: [`GroupWriter`] for [`PgStore`].
 
-use idemkey_core::{Inserted, Members, NewRecord, StoreError, Timestamp};
+use idemkey_core::{Inserted, NewRecord, StoreError};
 use idemkey_sqlx::group::{self, Completion, GroupWriter};
 use sqlx::{AssertSqlSafe, FromRow};
 
 use crate::PgStore;
-use crate::literal::{self, Array, Sql};
+use crate::literal::{self, Args, Columns, Sql};
 use crate::sqlstate::is_connection_lost;
+use crate::statements::{bind_completion, bind_record};
 
 /// The grouped completion's `UPDATE`, its rows as literals (see
 /// [`GroupWriter::complete_group`]).
@@ -20,8 +21,8 @@ pub(crate) fn completion_rows(rows: &[&Completion]) -> Result<String, StoreError
     );
     for (i, c) in rows.iter().enumerate() {
         sql.push(if i == 0 { "(" } else { ", (" });
-        sql.completion(&c.id, c.token, &c.response, c.now)?
-            .push(")");
+        sql = bind_completion(Args::after(sql), &c.id, c.token, &c.response, c.now).finish()?;
+        sql.push(")");
     }
     sql.push(
         ") AS c (tenant, key_hash, route, token, status, headers, body, now)
@@ -30,11 +31,6 @@ pub(crate) fn completion_rows(rows: &[&Completion]) -> Result<String, StoreError
          RETURNING r.tenant, r.key_hash, r.route",
     );
     Ok(sql.finish())
-}
-
-/// One column of a grouped statement: `f` of every row, in the rows' order.
-fn column<'a, T, U>(rows: &[&'a T], f: impl Fn(&'a T) -> U) -> Array<U> {
-    Array(rows.iter().map(|&row| f(row)).collect())
 }
 
 impl GroupWriter for PgStore {
@@ -46,7 +42,7 @@ impl GroupWriter for PgStore {
     /// flight).
     async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
         let (rows, in_group) = group::plan(&records, |r| &r.id);
-        let inserted = literal::query_as::<(String, Vec<u8>, String)>(
+        let insert = literal::query_as::<(String, Vec<u8>, String)>(
             "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
                     fingerprint_parts, state, token, lease_expires_at, created_at, updated_at,
                     expires_at, sealed_key, fingerprint_members, first_sent)
@@ -62,28 +58,17 @@ impl GroupWriter for PgStore {
              ON CONFLICT (tenant, key_hash, route) DO NOTHING
              RETURNING tenant, key_hash, route",
         )
-        .lock_wait(self.lock_wait)
-        .bind(column(&rows, |r| r.id.tenant.as_str()))
-        .bind(column(&rows, |r| &r.id.key_hash[..]))
-        .bind(column(&rows, |r| r.id.route.as_str()))
-        .bind(column(&rows, |r| &r.fingerprint.digest[..]))
-        .bind(column(&rows, |r| r.fingerprint.parts.to_bytes()))
-        .bind(column(&rows, |r| r.state.as_str()))
-        .bind(column(&rows, |r| {
-            r.lease_expires_at.map(Timestamp::as_millis)
-        }))
-        .bind(column(&rows, |r| r.now.as_millis()))
-        .bind(column(&rows, |r| r.expires_at.as_millis()))
-        .bind(column(&rows, |r| r.sealed_key.as_deref()))
-        .bind(column(&rows, |r| {
-            r.fingerprint.members.as_ref().map(Members::to_bytes)
-        }))
-        .bind(column(&rows, |r| r.first_sent.map(Timestamp::as_millis)))
-        .fetch_all(&self.pool)
-        .await
-        .map(group::returned);
+        .lock_wait(self.lock_wait);
+        let columns = rows.iter().fold(Columns::default(), |columns, r| {
+            bind_record(columns.row(), r)
+        });
+        // A value PostgreSQL cannot take (a NUL in a text) sends nothing: each alone says whose.
+        let inserted = match columns.bind_to(insert) {
+            Ok(insert) => insert.fetch_all(&self.pool).await.ok().map(group::returned),
+            Err(_) => None,
+        };
         let from_group = |record: &NewRecord| {
-            let inserted = inserted.as_ref().ok()?;
+            let inserted = inserted.as_ref()?;
             Some(Ok(if inserted.contains(&record.id) {
                 Inserted::Owned
             } else {

@@ -21,9 +21,11 @@ use std::fmt::Write;
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use idemkey_core::{RecordId, StoreError, StoredResponse, Timestamp};
+use idemkey_core::{NewRecord, RecordId, StoreError, StoredResponse, Timestamp};
 use sqlx::postgres::{PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Executor, FromRow, Postgres, Row};
+
+use crate::statements::{bind_completion, bind_record};
 
 /// A statement being written, value by value.
 #[derive(Debug, Default)]
@@ -74,49 +76,10 @@ impl Sql {
         self
     }
 
-    /// A nullable `bytea` value.
-    pub(crate) fn opt_bytes(&mut self, value: Option<&[u8]>) -> &mut Self {
-        match value {
-            Some(value) => self.bytes(value),
-            None => self.push("NULL"),
-        }
-    }
-
     /// An integer.
     pub(crate) fn int(&mut self, value: i64) -> &mut Self {
         let _ = write!(self.0, "{value}");
         self
-    }
-
-    /// A nullable integer.
-    pub(crate) fn opt_int(&mut self, value: Option<i64>) -> &mut Self {
-        match value {
-            Some(value) => self.int(value),
-            None => self.push("NULL"),
-        }
-    }
-
-    /// A record's identity: `tenant, key_hash, route`.
-    pub(crate) fn id(&mut self, id: &RecordId) -> Result<&mut Self, StoreError> {
-        self.text(&id.tenant)?.push(", ");
-        self.bytes(&id.key_hash).push(", ");
-        self.text(&id.route)
-    }
-
-    /// A completion, in `idemkey_complete_v1`'s order: the record's identity, the owner's
-    /// token, the response's status, headers and body, when it was written.
-    pub(crate) fn completion(
-        &mut self,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<&mut Self, StoreError> {
-        self.id(id)?.push(", ").int(token).push(", ");
-        self.int(i64::from(response.status)).push(", ");
-        self.bytes(&response.encode_headers()).push(", ");
-        self.bytes(&response.body).push(", ");
-        Ok(self.int(now.as_millis()))
     }
 
     pub(crate) fn finish(self) -> String {
@@ -130,6 +93,133 @@ pub(crate) fn lock_wait(wait: Option<Duration>) -> String {
     wait.map_or_else(String::new, |wait| {
         format!("SET LOCAL lock_timeout = '{}ms'; ", wait.as_millis().max(1))
     })
+}
+
+/// The claim's message: `start` (`BEGIN` and the transaction's lock wait), then `record`'s
+/// claim, the prepared `idemkey_claim_v2` (`PREPARE` in `statements.rs`), in the
+/// transaction it began.
+pub(crate) fn claim(mut start: Sql, record: &NewRecord) -> Result<String, StoreError> {
+    start.push("; EXECUTE idemkey_claim_v2(");
+    let mut sql = bind_record(Args::after(start), record).finish()?;
+    sql.push(")");
+    Ok(sql.finish())
+}
+
+/// The completion sent with `COMMIT`: the prepared `idemkey_complete_v1` (`PREPARE` in
+/// `statements.rs`), which fails, and so skips the `COMMIT` after it, unless it matched the
+/// owner's row.
+pub(crate) fn completion(
+    id: &RecordId,
+    token: i64,
+    response: &StoredResponse,
+    now: Timestamp,
+) -> Result<String, StoreError> {
+    let start = Sql::new("EXECUTE idemkey_complete_v1(");
+    let mut sql = bind_completion(Args::after(start), id, token, response, now).finish()?;
+    sql.push(")");
+    Ok(sql.finish())
+}
+
+/// Where values go, one after the other: a statement's `$1`, `$2`, … ([`Statement`]), a
+/// list of arguments ([`Args`]), or a group's columns ([`Columns`]). The values of a record
+/// and of a completion are bound in one place each (`statements.rs`), whatever the shape.
+pub(crate) trait Bind: Sized {
+    /// Binds the next value.
+    fn bind(self, value: impl Literal) -> Self;
+}
+
+/// Values written after a statement's text, `, ` between them: a prepared statement's
+/// arguments, or a row of `VALUES`.
+pub(crate) struct Args {
+    sql: Sql,
+    first: bool,
+    refused: Option<StoreError>,
+}
+
+impl Args {
+    /// Values appended to `sql`, which ends where the first goes.
+    pub(crate) fn after(sql: Sql) -> Self {
+        Self {
+            sql,
+            first: true,
+            refused: None,
+        }
+    }
+
+    /// The statement with its values, or why one of them could not be written.
+    pub(crate) fn finish(self) -> Result<Sql, StoreError> {
+        match self.refused {
+            Some(refused) => Err(refused),
+            None => Ok(self.sql),
+        }
+    }
+}
+
+impl Bind for Args {
+    fn bind(mut self, value: impl Literal) -> Self {
+        if !self.first {
+            self.sql.push(", ");
+        }
+        self.first = false;
+        if let Err(e) = value.write(&mut self.sql) {
+            self.refused.get_or_insert(e);
+        }
+        self
+    }
+}
+
+/// Rows bound value by value and sent column by column, each column an array, for a
+/// statement that takes its rows so (`unnest($1::text[], …)`).
+#[derive(Default)]
+pub(crate) struct Columns {
+    columns: Vec<Array<Written>>,
+    at: usize,
+    refused: Option<StoreError>,
+}
+
+impl Columns {
+    /// Starts the next row: its first value goes to the first column.
+    pub(crate) fn row(mut self) -> Self {
+        self.at = 0;
+        self
+    }
+
+    /// Binds each column, in order, to `statement`; or says why a value could not be
+    /// written (nothing is then sent).
+    pub(crate) fn bind_to<B: Bind>(self, statement: B) -> Result<B, StoreError> {
+        if let Some(refused) = self.refused {
+            return Err(refused);
+        }
+        Ok(self
+            .columns
+            .into_iter()
+            .fold(statement, |s, column| s.bind(column)))
+    }
+}
+
+impl Bind for Columns {
+    fn bind(mut self, value: impl Literal) -> Self {
+        let mut sql = Sql::default();
+        if let Err(e) = value.write(&mut sql) {
+            self.refused.get_or_insert(e);
+        }
+        if self.columns.len() == self.at {
+            self.columns.push(Array(Vec::new()));
+        }
+        self.columns[self.at].0.push(Written(sql.finish()));
+        self.at += 1;
+        self
+    }
+}
+
+/// A value already written as a literal (by its own [`Literal`] impl).
+pub(crate) struct Written(String);
+
+impl Literal for Written {
+    fn write(&self, sql: &mut Sql) -> Result<(), StoreError> {
+        sql.push(&self.0);
+        Ok(())
+    }
 }
 
 /// A value written into a statement by [`Statement::bind`].
@@ -414,67 +504,26 @@ where
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn text(value: &str) -> String {
-        let mut sql = Sql::default();
-        sql.text(value).expect("text");
-        sql.finish()
-    }
-
-    #[test]
-    fn text_doubles_quotes_and_backslashes() {
-        assert_eq!(text("plain"), "E'plain'");
-        assert_eq!(text("it's"), "E'it''s'");
-        assert_eq!(
-            text(r"a\'); DROP TABLE x; --"),
-            r"E'a\\''); DROP TABLE x; --'"
-        );
-        assert_eq!(text("ünïcode ✓"), "E'ünïcode ✓'");
-    }
-
-    #[test]
-    fn text_refuses_nul() {
-        assert!(Sql::default().text("a\0b").is_err());
-    }
-
-    #[test]
-    fn bytes_are_hex() {
-        let mut sql = Sql::default();
-        sql.bytes(&[0, 0x27, 0x5c, 0xff]).push(", ").opt_bytes(None);
-        sql.push(", ").opt_int(Some(-5)).push(", ").opt_int(None);
-        assert_eq!(sql.finish(), r"E'\\x00275cff'::bytea, NULL, -5, NULL");
-    }
-
-    #[test]
-    fn statement_values_replace_their_placeholders() {
-        let text = query("SELECT $1, $10, $2 WHERE x = $1 AND y >= $3 AND z = $4")
-            .bind("it's")
-            .bind(None::<i64>)
-            .bind(i64::MIN)
-            .bind(Array(vec![Some(-5i64), None]))
-            .bind(5i64)
-            .bind(6i64)
-            .bind(7i64)
-            .bind(8i64)
-            .bind(9i64)
-            .bind(&b"\x01"[..])
-            .text()
-            .expect("text");
-        assert_eq!(
-            text,
-            concat!(
-                r"SELECT E'it''s', E'\\x01'::bytea, NULL WHERE x = E'it''s' ",
-                "AND y >= (-9223372036854775807 - 1) AND z = ARRAY[(-5), NULL]"
-            )
-        );
-    }
-
-    #[test]
-    fn a_statement_with_a_value_postgres_refuses_is_not_sent() {
-        assert!(query("SELECT $1").bind("a\0b").text().is_err());
-        assert!(query("SELECT $2").bind(1i64).text().is_err());
+impl Bind for Statement {
+    fn bind(self, value: impl Literal) -> Self {
+        Statement::bind(self, value)
     }
 }
+
+impl<T: for<'r> FromRow<'r, PgRow>> Bind for StatementAs<T> {
+    fn bind(self, value: impl Literal) -> Self {
+        StatementAs::bind(self, value)
+    }
+}
+
+impl<T> Bind for StatementScalar<T>
+where
+    T: for<'r> sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    fn bind(self, value: impl Literal) -> Self {
+        StatementScalar::bind(self, value)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use crate::literal::Sql;
+use idemkey_core::{Members, NewRecord, RecordId, StoredResponse, Timestamp};
+
+use crate::literal::{Bind, Sql};
 
 /// SQLSTATE `idemkey_expect_owned` raises (migration 0005): the completion matched no row
 /// carrying the owner's token.
@@ -55,4 +57,44 @@ pub(crate) fn set_lock_wait(sql: &mut Sql, wait: Duration) {
     sql.push("; SET LOCAL lock_timeout = '")
         .int(wait.as_millis().max(1).try_into().unwrap_or(i64::MAX))
         .push("ms'");
+}
+
+/// A new record's values, in the order every statement that writes one takes them (the
+/// claim's `INSERT`, the prepared `idemkey_claim_v2`, the replace, the grouped reservation):
+/// tenant, key hash, route, fingerprint, its parts, state, lease, creation time, expiry,
+/// sealed key, fingerprint members, first sent.
+pub(crate) fn bind_record<B: Bind>(b: B, r: &NewRecord) -> B {
+    b.bind(r.id.tenant.as_str())
+        .bind(&r.id.key_hash[..])
+        .bind(r.id.route.as_str())
+        .bind(&r.fingerprint.digest[..])
+        .bind(r.fingerprint.parts.to_bytes())
+        .bind(r.state.as_str())
+        .bind(r.lease_expires_at.map(Timestamp::as_millis))
+        .bind(r.now.as_millis())
+        .bind(r.expires_at.as_millis())
+        .bind(r.sealed_key.as_deref())
+        .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
+        .bind(r.first_sent.map(Timestamp::as_millis))
+}
+
+/// A completion's values, in the order every statement that stores one takes them (the
+/// plain `UPDATE`, the prepared `idemkey_complete_v1`, a row of the grouped completion): the
+/// record's identity, the owner's token, the response's status, headers and body, when it
+/// was written.
+pub(crate) fn bind_completion<B: Bind>(
+    b: B,
+    id: &RecordId,
+    token: i64,
+    response: &StoredResponse,
+    now: Timestamp,
+) -> B {
+    b.bind(id.tenant.as_str())
+        .bind(&id.key_hash[..])
+        .bind(id.route.as_str())
+        .bind(token)
+        .bind(i32::from(response.status))
+        .bind(response.encode_headers())
+        .bind(&response.body[..])
+        .bind(now.as_millis())
 }

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use idemkey_core::{
-    Begun, CommitError, EvictionNotices, Inserted, Members, NewRecord, Record, RecordId, Store,
-    StoreError, StoredResponse, Timestamp,
+    Begun, CommitError, EvictionNotices, Inserted, NewRecord, Record, RecordId, Store, StoreError,
+    StoredResponse, Timestamp,
 };
 use idemkey_sqlx::RecordRow;
 use sqlx::pool::PoolConnection;
@@ -16,7 +16,8 @@ use crate::listen::Follow;
 use crate::literal::{self, Sql};
 use crate::sqlstate::is_connection_lost;
 use crate::statements::{
-    NOT_OWNED, PREPARE, UNDEFINED_PREPARED, UNIQUE_VIOLATION, code, set_lock_wait,
+    NOT_OWNED, PREPARE, UNDEFINED_PREPARED, UNIQUE_VIOLATION, bind_completion, bind_record, code,
+    set_lock_wait,
 };
 use crate::transaction::{PgTransaction, abandon};
 
@@ -103,27 +104,9 @@ impl Store for PgStore {
                 set_lock_wait(sql, wait);
             }
         };
-        let mut claim = Sql::new("BEGIN");
-        lock_timeout(&mut claim);
-        claim
-            .push("; EXECUTE idemkey_claim_v2(")
-            .id(&record.id)?
-            .push(", ");
-        claim.bytes(&record.fingerprint.digest).push(", ");
-        claim.bytes(&record.fingerprint.parts.to_bytes()).push(", ");
-        claim.text(record.state.as_str())?.push(", ");
-        claim
-            .opt_int(record.lease_expires_at.map(Timestamp::as_millis))
-            .push(", ");
-        claim.int(record.now.as_millis()).push(", ");
-        claim.int(record.expires_at.as_millis()).push(", ");
-        claim.opt_bytes(record.sealed_key.as_deref()).push(", ");
-        let members = record.fingerprint.members.as_ref().map(Members::to_bytes);
-        claim.opt_bytes(members.as_deref()).push(", ");
-        claim
-            .opt_int(record.first_sent.map(Timestamp::as_millis))
-            .push(")");
-        let claim = claim.finish();
+        let mut begin = Sql::new("BEGIN");
+        lock_timeout(&mut begin);
+        let claim = literal::claim(begin, record)?;
         let (e, conn) = match self.begin_on_pool(Some(claim.clone())).await {
             Ok(tx) => return Ok(Begun::Claimed(tx, Inserted::Owned)),
             Err(failed) => failed,
@@ -180,11 +163,8 @@ impl Store for PgStore {
         response: &StoredResponse,
         now: Timestamp,
     ) -> Result<(), CommitError> {
-        let mut sql = Sql::new("EXECUTE idemkey_complete_v1(");
-        sql.completion(id, token, response, now)
-            .map_err(CommitError::NotCommitted)?
-            .push(")");
-        let statements = sql.finish();
+        let statements =
+            literal::completion(id, token, response, now).map_err(CommitError::NotCommitted)?;
         let conn = tx
             .commit_after(statements, |code| code == NOT_OWNED)
             .await?;
@@ -242,7 +222,7 @@ impl Store for PgStore {
         // waited on it (an owner finishing); then no record comes back and the caller reads
         // it with a statement of its own. `NOT EXISTS` keeps a row deleted after the
         // snapshot from being returned beside a successful insert.
-        let row = literal::query(
+        let insert = literal::query(
             "WITH ins AS (
                  INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
                         fingerprint_parts, state, token, lease_expires_at, created_at,
@@ -256,22 +236,11 @@ impl Store for PgStore {
                LEFT JOIN idemkey_records AS r
                  ON r.tenant = $1 AND r.key_hash = $2 AND r.route = $3
                 AND NOT EXISTS (SELECT 1 FROM ins)",
-        )
-        .bind(&r.id.tenant)
-        .bind(&r.id.key_hash[..])
-        .bind(&r.id.route)
-        .bind(&r.fingerprint.digest[..])
-        .bind(&r.fingerprint.parts.to_bytes()[..])
-        .bind(r.state.as_str())
-        .bind(r.lease_expires_at.map(Timestamp::as_millis))
-        .bind(r.now.as_millis())
-        .bind(r.expires_at.as_millis())
-        .bind(r.sealed_key.as_deref())
-        .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
-        .bind(r.first_sent.map(Timestamp::as_millis))
-        .fetch_one(conn)
-        .await
-        .map_err(error)?;
+        );
+        let row = bind_record(insert, r)
+            .fetch_one(conn)
+            .await
+            .map_err(error)?;
         if row.try_get::<bool, _>("inserted").map_err(error)? {
             return Ok(Inserted::Owned);
         }
@@ -310,31 +279,21 @@ impl Store for PgStore {
         r: &NewRecord,
         token: i64,
     ) -> Result<Option<i64>, StoreError> {
-        literal::query_scalar(
+        // The record's values are `$1` to `$12`, as in every statement that writes one.
+        let replace = literal::query_scalar(
             "UPDATE idemkey_records
                 SET fingerprint = $4, fingerprint_parts = $5, state = $6, token = token + 1,
                     lease_expires_at = $7, response_status = NULL, response_headers = NULL,
                     response_body = NULL, created_at = $8, updated_at = $8, expires_at = $9,
-                    sealed_key = $11, fingerprint_members = $12, first_sent = $13
-              WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $10
+                    sealed_key = $10, fingerprint_members = $11, first_sent = $12
+              WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $13
              RETURNING token",
-        )
-        .bind(&r.id.tenant)
-        .bind(&r.id.key_hash[..])
-        .bind(&r.id.route)
-        .bind(&r.fingerprint.digest[..])
-        .bind(&r.fingerprint.parts.to_bytes()[..])
-        .bind(r.state.as_str())
-        .bind(r.lease_expires_at.map(Timestamp::as_millis))
-        .bind(r.now.as_millis())
-        .bind(r.expires_at.as_millis())
-        .bind(token)
-        .bind(r.sealed_key.as_deref())
-        .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
-        .bind(r.first_sent.map(Timestamp::as_millis))
-        .fetch_optional(conn)
-        .await
-        .map_err(error)
+        );
+        bind_record(replace, r)
+            .bind(token)
+            .fetch_optional(conn)
+            .await
+            .map_err(error)
     }
 
     async fn complete(
@@ -352,15 +311,7 @@ impl Store for PgStore {
                     updated_at = $8
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
         );
-        let done = update
-            .bind(&id.tenant)
-            .bind(&id.key_hash[..])
-            .bind(&id.route)
-            .bind(token)
-            .bind(i32::from(response.status))
-            .bind(response.encode_headers())
-            .bind(&response.body[..])
-            .bind(now.as_millis())
+        let done = bind_completion(update, id, token, response, now)
             .execute(conn)
             .await
             .map_err(error)?;
