@@ -8,7 +8,7 @@ use sqlx::postgres::PgConnection;
 
 use crate::PgStore;
 use crate::listen::EVICTION_CHANNEL;
-use crate::literal;
+use crate::literal::{self, Bind};
 use crate::sqlstate::error;
 
 impl StoreAdmin for PgStore {
@@ -57,9 +57,7 @@ impl StoreAdmin for PgStore {
         let done = literal::query(
             "DELETE FROM idemkey_records WHERE tenant = $1 AND key_hash = $2 AND route = $3",
         )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
+        .bind_id(id)
         .execute(conn)
         .await
         .map_err(error)?;
@@ -114,9 +112,7 @@ impl StoreAdmin for PgStore {
             "INSERT INTO idemkey_audit (tenant, key_hash, route, at, actor, action, detail)
              VALUES ($1, $2, $3, $4, $5, $6, $7)",
         )
-        .bind(&entry.id.tenant)
-        .bind(&entry.id.key_hash[..])
-        .bind(&entry.id.route)
+        .bind_id(&entry.id)
         .bind(entry.at.as_millis())
         .bind(&entry.actor)
         .bind(&entry.action)
@@ -137,9 +133,7 @@ impl StoreAdmin for PgStore {
               WHERE tenant = $1 AND key_hash = $2 AND route = $3
               ORDER BY id",
         )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
+        .bind_id(id)
         .fetch_all(conn)
         .await
         .map_err(error)?;

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use idemkey_core::EvictionNotice;
-use sqlx::postgres::{PgListener, PgPool};
+use idemkey_core::{EvictionNotice, EvictionNotices};
+use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 
 use crate::literal;
 
@@ -25,12 +25,31 @@ const PROBE_RETRY: Duration = Duration::from_secs(60);
 /// connection for good, so it never takes one of the application's), the store's pool (for
 /// the probe), the listener once connected, how many connects failed in a row, and whether
 /// the last listener missed its probe.
-pub(crate) struct Follow {
-    pub(crate) pool: PgPool,
-    pub(crate) probe: PgPool,
-    pub(crate) listener: Option<PgListener>,
-    pub(crate) failures: u32,
-    pub(crate) missed_probe: bool,
+struct Follow {
+    pool: PgPool,
+    probe: PgPool,
+    listener: Option<PgListener>,
+    failures: u32,
+    missed_probe: bool,
+}
+
+/// The eviction notices of the database `pool` connects to, from a listener of their own
+/// (on a one-connection pool with `pool`'s options) that `pool` probes.
+pub(crate) fn follow(pool: &PgPool) -> EvictionNotices {
+    let options = pool.connect_options().as_ref().clone();
+    let follow = Follow {
+        pool: PgPoolOptions::new()
+            .max_connections(1)
+            .min_connections(0)
+            .connect_lazy_with(options),
+        probe: pool.clone(),
+        listener: None,
+        failures: 0,
+        missed_probe: false,
+    };
+    Box::pin(futures::stream::unfold(follow, |follow| async {
+        Some(follow.next().await)
+    }))
 }
 
 /// Why a listener was not started.
@@ -48,7 +67,7 @@ impl From<sqlx::Error> for NotListening {
 }
 
 impl Follow {
-    pub(crate) async fn next(mut self) -> (EvictionNotice, Self) {
+    async fn next(mut self) -> (EvictionNotice, Self) {
         loop {
             let Some(listener) = self.listener.as_mut() else {
                 if self.missed_probe {

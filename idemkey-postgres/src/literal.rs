@@ -126,6 +126,13 @@ pub(crate) fn completion(
 pub(crate) trait Bind: Sized {
     /// Binds the next value.
     fn bind(self, value: impl Literal) -> Self;
+
+    /// Binds a record's identity: tenant, key hash, route.
+    fn bind_id(self, id: &RecordId) -> Self {
+        self.bind(id.tenant.as_str())
+            .bind(&id.key_hash[..])
+            .bind(id.route.as_str())
+    }
 }
 
 /// Values written after a statement's text, `, ` between them: a prepared statement's

@@ -64,9 +64,7 @@ pub(crate) fn set_lock_wait(sql: &mut Sql, wait: Duration) {
 /// tenant, key hash, route, fingerprint, its parts, state, lease, creation time, expiry,
 /// sealed key, fingerprint members, first sent.
 pub(crate) fn bind_record<B: Bind>(b: B, r: &NewRecord) -> B {
-    b.bind(r.id.tenant.as_str())
-        .bind(&r.id.key_hash[..])
-        .bind(r.id.route.as_str())
+    b.bind_id(&r.id)
         .bind(&r.fingerprint.digest[..])
         .bind(r.fingerprint.parts.to_bytes())
         .bind(r.state.as_str())
@@ -89,9 +87,7 @@ pub(crate) fn bind_completion<B: Bind>(
     response: &StoredResponse,
     now: Timestamp,
 ) -> B {
-    b.bind(id.tenant.as_str())
-        .bind(&id.key_hash[..])
-        .bind(id.route.as_str())
+    b.bind_id(id)
         .bind(token)
         .bind(i32::from(response.status))
         .bind(response.encode_headers())

@@ -8,13 +8,12 @@ use idemkey_core::{
 };
 use idemkey_sqlx::RecordRow;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnection, PgPoolOptions};
+use sqlx::postgres::PgConnection;
 use sqlx::{FromRow, Postgres, Row};
 
 use crate::PgStore;
-use crate::listen::Follow;
-use crate::literal::{self, Sql};
-use crate::sqlstate::is_connection_lost;
+use crate::listen::follow;
+use crate::literal::{self, Bind, Sql};
 use crate::statements::{
     NOT_OWNED, PREPARE, UNDEFINED_PREPARED, UNIQUE_VIOLATION, bind_completion, bind_record, code,
     set_lock_wait,
@@ -25,38 +24,6 @@ pub(crate) use crate::sqlstate::error;
 
 fn record(row: RecordRow) -> Result<Record, StoreError> {
     Record::try_from(row)
-}
-
-impl PgStore {
-    /// Begins a transaction with `statement` (`None`: `BEGIN`) on a kept connection
-    /// (`crate::kept`), else a pooled one.
-    ///
-    /// Neither kept nor pooled connections are pinged before use, so a connection the server
-    /// dropped while it sat idle (a restart, a terminated backend, an idle time-out) fails
-    /// here, at its first message. Nothing of a transaction that did not commit survives its
-    /// connection, so beginning again on another connection is safe. The failed connection
-    /// is closed, not returned; after a restart every idle one is dead, so the attempts are
-    /// bounded by the pool size (plus one new connection), not one: the first request
-    /// drains them rather than each of them failing a request. Any other error is returned
-    /// with its connection, which may be in the aborted transaction the message began.
-    async fn begin_on_pool(
-        &self,
-        statement: Option<String>,
-    ) -> Result<PgTransaction, (sqlx::Error, Option<PoolConnection<Postgres>>)> {
-        let attempts = self.pool.options().get_max_connections() + 1;
-        let mut attempt = 1;
-        loop {
-            let conn = (self.kept.take_or_acquire(&self.pool).await).map_err(|e| (e, None))?;
-            match PgTransaction::begin(conn, statement.clone()).await {
-                Ok(tx) => return Ok(tx),
-                Err((e, mut conn)) if attempt < attempts && is_connection_lost(&e) => {
-                    conn.close_on_drop();
-                    attempt += 1;
-                }
-                Err((e, conn)) => return Err((e, Some(conn))),
-            }
-        }
-    }
 }
 
 impl Store for PgStore {
@@ -263,9 +230,7 @@ impl Store for PgStore {
         literal::query_as::<RecordRow>(
             "SELECT * FROM idemkey_records WHERE tenant = $1 AND key_hash = $2 AND route = $3",
         )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
+        .bind_id(id)
         .fetch_optional(conn)
         .await
         .map_err(error)?
@@ -330,9 +295,7 @@ impl Store for PgStore {
             "UPDATE idemkey_records SET lease_expires_at = $5, updated_at = $6
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
         )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
+        .bind_id(id)
         .bind(token)
         .bind(lease_until.as_millis())
         .bind(now.as_millis())
@@ -355,9 +318,7 @@ impl Store for PgStore {
                 SET state = 'executing', lease_expires_at = $5, updated_at = $6
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
         )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
+        .bind_id(id)
         .bind(token)
         .bind(lease_until.as_millis())
         .bind(now.as_millis())
@@ -379,9 +340,7 @@ impl Store for PgStore {
                 SET state = 'indeterminate', lease_expires_at = NULL, updated_at = $5
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
         )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
+        .bind_id(id)
         .bind(token)
         .bind(now.as_millis())
         .execute(conn)
@@ -400,9 +359,7 @@ impl Store for PgStore {
             "DELETE FROM idemkey_records
               WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4",
         )
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
+        .bind_id(id)
         .bind(token)
         .execute(conn)
         .await
@@ -418,20 +375,7 @@ impl Store for PgStore {
         if self.pooled {
             return None;
         }
-        let options = self.pool.connect_options().as_ref().clone();
-        let follow = Follow {
-            pool: PgPoolOptions::new()
-                .max_connections(1)
-                .min_connections(0)
-                .connect_lazy_with(options),
-            probe: self.pool.clone(),
-            listener: None,
-            failures: 0,
-            missed_probe: false,
-        };
-        Some(Box::pin(futures::stream::unfold(follow, |follow| async {
-            Some(follow.next().await)
-        })))
+        Some(follow(&self.pool))
     }
 }
 

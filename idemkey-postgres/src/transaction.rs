@@ -1,7 +1,8 @@
 //! The store's transaction: a pooled connection inside a transaction, begun and ended with
 //! sqlx's own transaction manager so that sqlx knows the depth (a handler's nested
 //! `begin()` on it makes a savepoint, as on an `sqlx::Transaction`), but able to carry the
-//! claim in its `BEGIN` message and the completing `UPDATE` in its `COMMIT` message.
+//! claim in its `BEGIN` message and the completing `UPDATE` in its `COMMIT` message; and how
+//! the store begins one on a kept or pooled connection.
 
 use std::ops::{Deref, DerefMut};
 
@@ -13,6 +14,7 @@ use sqlx::postgres::{PgConnection, PgTransactionManager};
 use sqlx::{AssertSqlSafe, Executor, Postgres, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
+use crate::PgStore;
 use crate::store::error;
 
 /// An open transaction on a pooled PostgreSQL connection, [`PgStore`](crate::PgStore)'s
@@ -125,6 +127,38 @@ impl PgTransaction {
             }
             _ => CommitError::Unknown(error(e)),
         })
+    }
+}
+
+impl PgStore {
+    /// Begins a transaction with `statement` (`None`: `BEGIN`) on a kept connection
+    /// (`crate::kept`), else a pooled one.
+    ///
+    /// Neither kept nor pooled connections are pinged before use, so a connection the server
+    /// dropped while it sat idle (a restart, a terminated backend, an idle time-out) fails
+    /// here, at its first message. Nothing of a transaction that did not commit survives its
+    /// connection, so beginning again on another connection is safe. The failed connection
+    /// is closed, not returned; after a restart every idle one is dead, so the attempts are
+    /// bounded by the pool size (plus one new connection), not one: the first request
+    /// drains them rather than each of them failing a request. Any other error is returned
+    /// with its connection, which may be in the aborted transaction the message began.
+    pub(crate) async fn begin_on_pool(
+        &self,
+        statement: Option<String>,
+    ) -> Result<PgTransaction, (sqlx::Error, Option<PoolConnection<Postgres>>)> {
+        let attempts = self.pool.options().get_max_connections() + 1;
+        let mut attempt = 1;
+        loop {
+            let conn = (self.kept.take_or_acquire(&self.pool).await).map_err(|e| (e, None))?;
+            match PgTransaction::begin(conn, statement.clone()).await {
+                Ok(tx) => return Ok(tx),
+                Err((e, mut conn)) if attempt < attempts && is_connection_lost(&e) => {
+                    conn.close_on_drop();
+                    attempt += 1;
+                }
+                Err((e, conn)) => return Err((e, Some(conn))),
+            }
+        }
     }
 }
 

@@ -6,7 +6,7 @@ use std::str::FromStr;
 
 use idemkey_sqlx::group::{Completion, GroupWriter};
 use sqlx::AssertSqlSafe;
-use sqlx::postgres::PgConnectOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use super::*;
 use crate::group::completion_rows;
