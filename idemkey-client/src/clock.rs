@@ -1,70 +1,58 @@
-//! Where the retry loop reads the time and waits.
+//! Where the retry loop reads the time and waits: core's [`Clock`], on tokio's timer by
+//! default.
 
-use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-/// A wait in progress, as returned by [`Clock::sleep`].
-pub type Sleep<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+pub use idemkey_core::{Clock, Sleep, Timestamp};
 
-/// The time as the retry loop sees it: what time it is, and how to wait.
+/// The system's clock and tokio's timer: the default [`Clock`] of the retry loop.
 ///
-/// The loop reads [`now`](Self::now) to start an operation's retention horizon, to check that
-/// an attempt is clear of it, to turn a `Retry-After` date into a delay, and to measure the
-/// time spent against [`RetryPolicy::max_elapsed`](crate::RetryPolicy::max_elapsed). It waits
-/// between attempts with [`sleep`](Self::sleep), and nowhere else. (A per-attempt timeout is
-/// the `reqwest::Client`'s own and runs on tokio's timer.)
+/// The loop reads [`now`](Clock::now) to start an operation's retention horizon, to check
+/// that an attempt is clear of it, to turn a `Retry-After` date into a delay, and to measure
+/// the time spent against [`RetryPolicy::max_elapsed`](crate::RetryPolicy::max_elapsed). It
+/// waits between attempts with [`sleep`](Clock::sleep), and nowhere else. (A per-attempt
+/// timeout is the `reqwest::Client`'s own and runs on tokio's timer.)
 ///
-/// The default is [`SystemClock`]. A test can pass a clock whose `sleep` returns at once and
-/// moves its time forward, so that a `Retry-After: 30` takes no time and the waits can be
-/// checked:
+/// A test can pass a clock whose `sleep` returns at once and moves its time forward, so that
+/// a `Retry-After: 30` takes no time and the waits can be checked:
 ///
 /// ```
 /// use std::sync::{Arc, Mutex};
-/// use std::time::{Duration, SystemTime};
+/// use std::time::Duration;
 ///
-/// use idemkey_client::{Clock, IdempotentClient, Sleep};
+/// use idemkey_client::{Clock, IdempotentClient, Sleep, Timestamp};
 ///
 /// #[derive(Debug)]
 /// struct ManualClock {
-///     now: Mutex<SystemTime>,
+///     now: Mutex<Timestamp>,
 ///     waits: Mutex<Vec<Duration>>,
 /// }
 ///
 /// impl Clock for ManualClock {
-///     fn now(&self) -> SystemTime {
+///     fn now(&self) -> Timestamp {
 ///         *self.now.lock().unwrap()
 ///     }
 ///
 ///     fn sleep(&self, duration: Duration) -> Sleep<'_> {
-///         *self.now.lock().unwrap() += duration;
+///         let mut now = self.now.lock().unwrap();
+///         *now = now.plus(duration);
 ///         self.waits.lock().unwrap().push(duration);
 ///         Box::pin(std::future::ready(()))
 ///     }
 /// }
 ///
 /// let clock = Arc::new(ManualClock {
-///     now: Mutex::new(SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000)),
+///     now: Mutex::new(Timestamp(1_800_000_000_000)),
 ///     waits: Mutex::new(Vec::new()),
 /// });
 /// let client = IdempotentClient::new(reqwest::Client::new()).with_clock(clock.clone());
 /// ```
-pub trait Clock: Send + Sync + fmt::Debug {
-    /// The current time.
-    fn now(&self) -> SystemTime;
-
-    /// Waits for `duration` (the loop awaits it before the next attempt).
-    fn sleep(&self, duration: Duration) -> Sleep<'_>;
-}
-
-/// The system's clock and tokio's timer: the default [`Clock`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SystemClock;
 
 impl Clock for SystemClock {
-    fn now(&self) -> SystemTime {
-        SystemTime::now()
+    fn now(&self) -> Timestamp {
+        Timestamp::now()
     }
 
     fn sleep(&self, duration: Duration) -> Sleep<'_> {

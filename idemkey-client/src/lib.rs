@@ -30,7 +30,8 @@
 //! The loop reads the time and waits through a [`Clock`]: the [`SystemClock`] unless
 //! `with_clock` on either entry point gives another. The horizon, `Retry-After` dates and the
 //! time spent are all measured on it, so a test clock whose waits take no time makes a retry
-//! test instant and lets it check each wait (see [`Clock`]).
+//! test instant and lets it check each wait (see [`SystemClock`]). [`Clock`] is
+//! `idemkey_core`'s, the one the server-side layer reads and waits on too.
 //!
 //! ```no_run
 //! use idemkey_client::{Error, IdempotentClient, Operation, problem};
@@ -96,7 +97,7 @@ mod response;
 mod retry;
 
 pub use client::IdempotentClient;
-pub use clock::{Clock, Sleep, SystemClock};
+pub use clock::{Clock, Sleep, SystemClock, Timestamp};
 pub use error::{Error, Failure};
 pub use middleware::IdempotencyMiddleware;
 pub use operation::{InvalidKey, Operation};

@@ -88,7 +88,7 @@ pub(crate) async fn run<T: Transport>(
     {
         *request.timeout_mut() = Some(timeout);
     }
-    let started = clock.now();
+    let started = clock.now().to_system_time();
     let first_attempt_at = op.begin(started);
     // Every attempt states when the first one was sent: a server that no longer keeps a
     // record of the operation refuses a late attempt instead of running it again.
@@ -98,12 +98,22 @@ pub(crate) async fn run<T: Transport>(
             .insert(header::REPEATABILITY_FIRST_SENT, sent);
     }
     // A clock set back reads as no time spent.
-    let elapsed = || clock.now().duration_since(started).unwrap_or_default();
+    let elapsed = || {
+        clock
+            .now()
+            .to_system_time()
+            .duration_since(started)
+            .unwrap_or_default()
+    };
     let mut attempts = 0u32;
     let mut last: Option<Failure> = None;
     loop {
         if let Some(horizon) = horizon(policy, op, first_attempt_at)
-            && !clear_of(clock.now(), horizon, policy.expiry_margin())
+            && !clear_of(
+                clock.now().to_system_time(),
+                horizon,
+                policy.expiry_margin(),
+            )
         {
             return Err(Error::RetentionHorizon {
                 attempts,
@@ -157,7 +167,7 @@ pub(crate) async fn run<T: Transport>(
         }
         let delay = retry_after.unwrap_or_else(|| policy.backoff(attempts));
         if let Some(horizon) = horizon(policy, op, first_attempt_at) {
-            let next = clock.now().checked_add(delay);
+            let next = clock.now().to_system_time().checked_add(delay);
             if !next.is_some_and(|next| clear_of(next, horizon, policy.expiry_margin())) {
                 return Err(Error::RetentionHorizon {
                     attempts,
@@ -276,7 +286,7 @@ async fn answer(
     match verdict {
         Verdict::Refuse => Answer::Refused(Problem::parse(status, headers, body)),
         Verdict::Final | Verdict::Retry => {
-            let retry_after = retry_after(&headers, clock.now());
+            let retry_after = retry_after(&headers, clock.now().to_system_time());
             let read = IdempotentResponse {
                 status,
                 version,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use idemkey_client::problem::types;
-use idemkey_client::{Clock, Error, Failure, IdempotentClient, Operation, RetryPolicy};
+use idemkey_client::{Error, Failure, IdempotentClient, Operation, RetryPolicy, Timestamp};
 use support::{ManualClock, ScriptedServer, fast, flaky_server, http, reply};
 
 /// A client whose waits take no time.
@@ -153,7 +153,7 @@ async fn retry_after_seconds_is_honoured() {
 #[tokio::test]
 async fn retry_after_http_date_is_honoured() {
     let clock = ManualClock::new();
-    let at = httpdate::fmt_http_date(clock.now() + Duration::from_secs(3));
+    let at = httpdate::fmt_http_date(clock.time() + Duration::from_secs(3));
     let server = ScriptedServer::start(vec![
         reply(503).header("retry-after", at),
         reply(201).body("ok"),
@@ -175,7 +175,8 @@ async fn the_system_clock_is_the_default() {
     ])
     .await;
     let op = Operation::new();
-    let before = SystemTime::now();
+    // The clock counts whole milliseconds.
+    let before = Timestamp::now().to_system_time();
     let response = IdempotentClient::new(http())
         .post_json(&op, server.url("/x"), &payment())
         .await
@@ -564,8 +565,8 @@ async fn the_configured_retention_stops_retries() {
     else {
         panic!("expected the retention horizon, got {error:?}");
     };
-    assert_eq!(op.first_attempt_at(), Some(clock.now()));
-    assert_eq!(horizon, clock.now() + Duration::from_secs(2));
+    assert_eq!(op.first_attempt_at(), Some(clock.time()));
+    assert_eq!(horizon, clock.time() + Duration::from_secs(2));
     assert_eq!(clock.sleeps(), []);
     assert_eq!(server.seen().len(), 1);
 }
@@ -576,7 +577,7 @@ async fn a_resumed_operation_past_its_retention_sends_nothing() {
     let clock = ManualClock::new();
     let op = Operation::resume(
         "order-42-payment",
-        clock.now() - Duration::from_secs(25 * 60 * 60),
+        clock.time() - Duration::from_secs(25 * 60 * 60),
     )
     .unwrap();
     let error = with_policy(&clock, RetryPolicy::default())

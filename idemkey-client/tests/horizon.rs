@@ -13,7 +13,7 @@ mod support;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use idemkey_client::{Clock, Error, Failure, IdempotentClient, Operation, RetryPolicy};
+use idemkey_client::{Error, Failure, IdempotentClient, Operation, RetryPolicy};
 use support::{ManualClock, http};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -136,7 +136,7 @@ fn assert_one_key(seen: &Seen, op: &Operation, attempts: u32) {
 async fn stops_at_the_configured_retention_with_one_key_throughout() {
     let (url, seen) = never_settles(None).await;
     let clock = ManualClock::new();
-    let started = clock.now();
+    let started = clock.time();
     let op = Operation::new();
     let error = client(&clock, Duration::from_secs(30))
         .post_json(&op, &url, &serde_json::json!({"amount": 1}))
@@ -203,7 +203,7 @@ async fn stops_at_the_advertised_expiry_when_it_comes_first() {
     );
     let waited: Duration = clock.sleeps().iter().sum();
     assert!(
-        clock.now() + Duration::from_secs(1) < *horizon,
+        clock.time() + Duration::from_secs(1) < *horizon,
         "the last attempt started the margin before the advertised expiry"
     );
     assert!(

@@ -20,7 +20,7 @@
 //! - [`protocol`]: the claim protocol on top of them, written once for every store;
 //! - [`outbox`]: the SQL primitives of the transactional outbox ([`outbox::OutboxStore`]).
 //!
-//! - [`Clock`]: where the current time comes from.
+//! - [`Clock`]: where the current time comes from and how to wait for it to pass.
 //! - `hop` (feature `http`): the hop-by-hop headers a proxy must not forward, for the
 //!   gateway and the fault proxy.
 //!
@@ -61,4 +61,4 @@ pub use self::scope::{KeyHasher, RecordId, Scope};
 pub use self::store::{
     Begun, BoxError, CommitError, Inserted, ListFilter, Purged, Store, StoreError,
 };
-pub use self::time::{Clock, SystemClock, Timestamp};
+pub use self::time::{Clock, Sleep, Timestamp};

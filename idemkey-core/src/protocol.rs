@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use crate::{
     AuditEntry, Begun, Clock, Decision, Fingerprint, Inserted, Mismatch, NewRecord, Record,
-    RecordId, RecordState, Store, StoreError, StoredResponse, SystemClock, Timestamp, decide,
+    RecordId, RecordState, Store, StoreError, StoredResponse, Timestamp, decide,
 };
 
 /// How many times the claim inserts again after the record it lost to vanished (released,
@@ -144,18 +144,17 @@ pub async fn begin_claim<S: Store>(
     Ok((Some(tx), outcome))
 }
 
-/// Local mode: stores the owner's response on the same transaction as its effect.
+/// Local mode: stores the owner's response on the same transaction as its effect, as
+/// completed at `now`.
 pub async fn complete<S: Store>(
     store: &S,
     conn: &mut S::Connection,
     id: &RecordId,
     token: i64,
     response: &StoredResponse,
+    now: Timestamp,
 ) -> Result<()> {
-    if store
-        .complete(conn, id, token, response, Timestamp::now())
-        .await?
-    {
+    if store.complete(conn, id, token, response, now).await? {
         Ok(())
     } else {
         Err(Error::Fenced)
@@ -375,7 +374,8 @@ pub struct Lease<S> {
     id: RecordId,
     token: i64,
     duration: Duration,
-    clock: Arc<dyn Clock>,
+    /// `None`: the system clock.
+    clock: Option<Arc<dyn Clock>>,
     /// `Some(until)`: the reservation marked the point of no return, and its lease lapses at
     /// `until` unless renewed.
     marked: Option<Timestamp>,
@@ -389,7 +389,7 @@ impl<S: Store> Lease<S> {
             id,
             token,
             duration,
-            clock: Arc::new(SystemClock),
+            clock: None,
             marked: None,
         }
     }
@@ -405,8 +405,14 @@ impl<S: Store> Lease<S> {
 
     /// Reads the time from `clock` instead of the system clock.
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
-        self.clock = clock;
+        self.clock = Some(clock);
         self
+    }
+
+    fn now(&self) -> Timestamp {
+        self.clock
+            .as_ref()
+            .map_or_else(Timestamp::now, |clock| clock.now())
     }
 
     /// The fencing token.
@@ -426,7 +432,7 @@ impl<S: Store> Lease<S> {
 
     /// Extends the lease by its duration from now.
     pub async fn renew(&self) -> Result<()> {
-        let now = self.clock.now();
+        let now = self.now();
         let until = now.plus(self.duration);
         let mut conn = self.store.acquire_for_write().await?;
         let ok = self
@@ -446,7 +452,7 @@ impl<S: Store> Lease<S> {
     /// could be released by a reconciler that asked before it arrived. An owner that calls
     /// out at once is far inside that bound.
     pub async fn point_of_no_return(&self) -> Result<()> {
-        let now = self.clock.now();
+        let now = self.now();
         if let Some(until) = self.marked {
             return fenced_unless(now < until);
         }
@@ -468,7 +474,7 @@ impl<S: Store> Lease<S> {
     pub async fn complete(&self, response: &StoredResponse) -> Result<()> {
         let ok = self
             .store
-            .complete_autocommit(&self.id, self.token, response, self.clock.now())
+            .complete_autocommit(&self.id, self.token, response, self.now())
             .await?;
         fenced_unless(ok)
     }
@@ -485,7 +491,7 @@ impl<S: Store> Lease<S> {
         let mut conn = self.store.acquire_for_write().await?;
         let ok = self
             .store
-            .mark_indeterminate(&mut conn, &self.id, self.token, self.clock.now())
+            .mark_indeterminate(&mut conn, &self.id, self.token, self.now())
             .await?;
         fenced_unless(ok)
     }
@@ -509,16 +515,17 @@ pub enum Resolution {
 /// owner cannot overwrite the answer, and appends an entry to the audit trail (`actor`,
 /// the action, the stored status and `note`) in the same transaction.
 ///
-/// Returns the record as it was before it was resolved.
+/// Returns the record as it was before it was resolved. `now` decides whether the outcome
+/// is unknown (a lease lapsed) and dates the completion and the audit entry.
 pub async fn resolve<S: Store>(
     store: &S,
     id: &RecordId,
     resolution: &Resolution,
     actor: &str,
     note: Option<&str>,
+    now: Timestamp,
 ) -> Result<Record> {
     let mut tx = store.begin().await?;
-    let now = Timestamp::now();
     let record = store.fetch(&mut tx, id).await?.ok_or(Error::NotFound)?;
     let unknown = matches!(
         decide(Some(&record), &record.fingerprint, None, now),

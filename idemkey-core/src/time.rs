@@ -1,5 +1,7 @@
 //! Wall-clock time as stored in records: milliseconds since the Unix epoch.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// A point in time, in milliseconds since the Unix epoch (UTC).
@@ -60,21 +62,51 @@ impl Timestamp {
     }
 }
 
-/// Where the current time comes from: the system clock in production, a clock a test moves
-/// by hand in tests (expiry, leases and `Retry-After` without sleeping).
+/// A wait in progress, as returned by [`Clock::sleep`].
+pub type Sleep<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+/// Where the time comes from and how to wait for it to pass: the system clock and the
+/// runtime's timer in production, a clock a test moves by hand in tests (expiry, leases,
+/// purges and `Retry-After` without sleeping).
+///
+/// Core holds no timer: the implementation that sleeps on a runtime lives where the runtime
+/// is (`idemkey_tower::SystemClock` and `idemkey_client::SystemClock` on tokio's timer).
+/// A request reads [`now`](Self::now) on its hot path; only a request that waits (a lease
+/// renewal, a poll of a reservation held elsewhere, a purge between rounds) calls
+/// [`sleep`](Self::sleep), which boxes its future.
+///
+/// ```
+/// use std::sync::Mutex;
+/// use std::time::Duration;
+///
+/// use idemkey_core::{Clock, Sleep, Timestamp};
+///
+/// /// A clock whose time moves only when something sleeps on it.
+/// #[derive(Debug)]
+/// struct Skipping(Mutex<Timestamp>);
+///
+/// impl Clock for Skipping {
+///     fn now(&self) -> Timestamp {
+///         *self.0.lock().unwrap()
+///     }
+///
+///     fn sleep(&self, duration: Duration) -> Sleep<'_> {
+///         let mut now = self.0.lock().unwrap();
+///         *now = now.plus(duration);
+///         Box::pin(std::future::ready(()))
+///     }
+/// }
+///
+/// let clock = Skipping(Mutex::new(Timestamp(1_800_000_000_000)));
+/// drop(clock.sleep(Duration::from_secs(30)));
+/// assert_eq!(clock.now(), Timestamp(1_800_000_030_000));
+/// ```
 pub trait Clock: Send + Sync + std::fmt::Debug + 'static {
     /// The current time.
     fn now(&self) -> Timestamp;
-}
 
-/// The system clock.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now(&self) -> Timestamp {
-        Timestamp::now()
-    }
+    /// Waits until `duration` has passed on this clock.
+    fn sleep(&self, duration: Duration) -> Sleep<'_>;
 }
 
 #[cfg(test)]

@@ -7,8 +7,9 @@ use futures::future::BoxFuture;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{
     Clock, Fingerprint, FingerprintSpec, IdempotencyKey, KeyError, KeyHasher, RecordId,
-    RequestParts, Scope, Store, StoreError, StoredResponse, SystemClock, fingerprint,
+    RequestParts, Scope, Store, StoreError, StoredResponse, fingerprint,
 };
+use idemkey_tower::SystemClock;
 use std::sync::Arc;
 
 /// What became of one message.
@@ -132,6 +133,7 @@ pub struct Claimed<S: Store> {
     tx: S::Transaction,
     id: RecordId,
     token: i64,
+    clock: Arc<dyn Clock>,
 }
 
 impl<S: Store> std::fmt::Debug for Claimed<S> {
@@ -164,7 +166,10 @@ impl<S: Store> Claimed<S> {
             headers: Vec::new(),
             body: Vec::new(),
         };
-        match protocol::complete(&self.store, &mut self.tx, &self.id, self.token, &done).await {
+        let now = self.clock.now();
+        let completed =
+            protocol::complete(&self.store, &mut self.tx, &self.id, self.token, &done, now);
+        match completed.await {
             Ok(()) => {}
             Err(protocol::Error::Store(e)) => return Err(e),
             // The record was claimed on this very transaction: nobody else can have
@@ -276,6 +281,7 @@ impl<S: Store> Inbox<S> {
                 tx,
                 id: claim.id,
                 token,
+                clock: self.clock.clone(),
             })),
             ClaimOutcome::Replay { .. } => Ok(Handled::Duplicate),
             ClaimOutcome::InFlight { .. } => Err(InboxError::InFlight(message_id.to_owned())),

@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use idemkey_core::outbox::{Message, OutboxStore};
-use idemkey_core::{Clock, StoreError, SystemClock, Timestamp};
+use idemkey_core::{Clock, StoreError, Timestamp};
+use idemkey_tower::SystemClock;
 use rand::Rng;
 use tokio::sync::{Notify, watch};
 

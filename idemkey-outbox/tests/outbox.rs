@@ -18,7 +18,7 @@ use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use idemkey_core::outbox::{Message, MessageState, OutboxStore};
-use idemkey_core::{Clock, KeyHasher, Timestamp};
+use idemkey_core::{Clock, KeyHasher, Sleep, Timestamp};
 use idemkey_outbox::{
     Backoff, DeliveryError, Outgoing, Relay, RelayConfig, Sink, WebhookSink, enqueue, enqueue_on,
     envelope,
@@ -46,6 +46,12 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now(&self) -> Timestamp {
         Timestamp(self.0.load(Ordering::SeqCst))
+    }
+
+    /// A wait moves the time forward and takes none.
+    fn sleep(&self, duration: Duration) -> Sleep<'_> {
+        self.advance(duration);
+        Box::pin(std::future::ready(()))
     }
 }
 

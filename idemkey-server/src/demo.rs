@@ -25,7 +25,7 @@ use anyhow::Context;
 use futures::StreamExt;
 use idemkey_client::{Error, IdempotentClient, Operation, RetryPolicy};
 use idemkey_core::problem::{FIRST_SENT_EXPIRED, PAYMENT_REFERENCE_USED};
-use idemkey_core::{Clock, Timestamp, protocol};
+use idemkey_core::{Clock, Sleep, Timestamp, protocol};
 use idemkey_fault_proxy::{FaultConfig, FaultProxy};
 use idemkey_tower::{InFlightPolicy, Metrics};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -164,6 +164,10 @@ impl Clock for SkippedClock {
                 .as_millis()
                 .saturating_add(self.0.load(Ordering::SeqCst)),
         )
+    }
+
+    fn sleep(&self, duration: Duration) -> Sleep<'_> {
+        Box::pin(tokio::time::sleep(duration))
     }
 }
 

@@ -291,7 +291,15 @@ pub async fn run<S: AppDb>(
                     .filter(|u| !u.is_empty())
                     .unwrap_or_else(|| "unknown".to_owned())
             );
-            match protocol::resolve(&db, &id, &resolution, &actor, note.as_deref()).await {
+            let resolved = protocol::resolve(
+                &db,
+                &id,
+                &resolution,
+                &actor,
+                note.as_deref(),
+                Timestamp::now(),
+            );
+            match resolved.await {
                 Ok(before) => match resolution {
                     Resolution::Completed(r) => writeln!(
                         out,

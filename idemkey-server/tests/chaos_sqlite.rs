@@ -244,7 +244,7 @@ async fn faulty_server(dir: &std::path::Path, on: On) -> (String, String, Faults
         retention: Duration::from_secs(24 * 3600),
         in_flight: InFlightPolicy::default(),
         first_sent: Default::default(),
-        clock: Arc::new(idemkey_core::SystemClock),
+        clock: Arc::new(idemkey_tower::SystemClock),
         outbox: None,
     };
     let secrets = KeySecrets::new(&b"chaos sqlite secret"[..], None);

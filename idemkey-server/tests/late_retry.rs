@@ -37,7 +37,7 @@ async fn server(db: impl AppDb) -> (String, Seen) {
         retention: Duration::from_secs(3600),
         in_flight: InFlightPolicy::default(),
         first_sent: Default::default(),
-        clock: Arc::new(idemkey_core::SystemClock),
+        clock: Arc::new(idemkey_tower::SystemClock),
         outbox: None,
     };
     let secrets = KeySecrets::new(&b"late retry test secret of 32 bytes"[..], None);

@@ -508,18 +508,19 @@ pub async fn stale_token_cannot_complete<H: Harness>(h: H) {
     let store = h.store();
     let id = record_id("t1", "/v1/payments", "k-stale");
     let mut tx = store.begin().await.expect("begin");
-    let outcome = protocol::claim(store, &mut tx, &claim_at(&id, 1, Timestamp::now()))
+    let now = Timestamp::now();
+    let outcome = protocol::claim(store, &mut tx, &claim_at(&id, 1, now))
         .await
         .expect("claim");
     let ClaimOutcome::Owned { token, .. } = outcome else {
         panic!("{outcome:?}")
     };
-    let refused = protocol::complete(store, &mut tx, &id, token + 1, &response("{}")).await;
+    let refused = protocol::complete(store, &mut tx, &id, token + 1, &response("{}"), now).await;
     assert!(
         matches!(refused, Err(protocol::Error::Fenced)),
         "{refused:?}"
     );
-    protocol::complete(store, &mut tx, &id, token, &response("{}"))
+    protocol::complete(store, &mut tx, &id, token, &response("{}"), now)
         .await
         .expect("the owner's token completes");
     store.commit(tx).await.expect("commit");
@@ -908,6 +909,7 @@ pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harnes
         &Resolution::Completed(response("{\"resolved\":1}")),
         "operator:test",
         None,
+        Timestamp::now(),
     )
     .await
     .expect("resolve");
@@ -924,7 +926,15 @@ pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harnes
         .await;
     assert!(matches!(late, Err(protocol::Error::Fenced)), "{late:?}");
     // Resolving a completed record is refused.
-    let again = protocol::resolve(&store, &id, &Resolution::Released, "operator:test", None).await;
+    let again = protocol::resolve(
+        &store,
+        &id,
+        &Resolution::Released,
+        "operator:test",
+        None,
+        Timestamp::now(),
+    )
+    .await;
     assert!(
         matches!(again, Err(protocol::Error::NotIndeterminate(_))),
         "{again:?}"
@@ -1136,9 +1146,16 @@ pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
         matches!(outcome, ClaimOutcome::OutcomeUnknown { .. }),
         "{outcome:?}"
     );
-    protocol::resolve(&store, &id, &Resolution::Released, "operator:test", None)
-        .await
-        .expect("resolve");
+    protocol::resolve(
+        &store,
+        &id,
+        &Resolution::Released,
+        "operator:test",
+        None,
+        Timestamp::now(),
+    )
+    .await
+    .expect("resolve");
     let outcome = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
         .await
         .expect("reserve");
@@ -1208,6 +1225,7 @@ pub async fn resolutions_are_audited_and_sealed_keys_kept<H: Harness>(h: H) {
         &Resolution::Released,
         "operator:alice",
         Some("checked the ledger"),
+        Timestamp::now(),
     )
     .await
     .expect("resolve");
@@ -1220,7 +1238,15 @@ pub async fn resolutions_are_audited_and_sealed_keys_kept<H: Harness>(h: H) {
     assert_eq!(trail[0].action, "resolved-released");
     assert_eq!(trail[0].detail, "key released; checked the ledger");
     // A refused resolution writes nothing.
-    let refused = protocol::resolve(&store, &id, &Resolution::Released, "x", None).await;
+    let refused = protocol::resolve(
+        &store,
+        &id,
+        &Resolution::Released,
+        "x",
+        None,
+        Timestamp::now(),
+    )
+    .await;
     assert!(
         matches!(refused, Err(protocol::Error::NotFound)),
         "{refused:?}"

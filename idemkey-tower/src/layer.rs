@@ -7,10 +7,10 @@ use std::time::Duration;
 use http::{HeaderMap, HeaderName};
 use idemkey_core::{
     AnswerRule, Clock, FingerprintSpec, FirstSentPolicy, FirstSentRequirement, KeyHasher, RecordId,
-    SystemClock,
 };
 use tower_layer::Layer;
 
+use crate::SystemClock;
 use crate::cache::{self, ReplayCache};
 use crate::coalesce::Turns;
 use crate::{IdempotencyService, InFlightPolicy, KeyRequirement, Metrics};
@@ -495,6 +495,7 @@ impl<S> IdempotencyLayer<S> {
             self.store.clone(),
             self.config.hasher.clone(),
             self.config.previous_hasher.clone(),
+            self.config.clock.clone(),
         )
     }
 
@@ -545,12 +546,13 @@ impl<S> IdempotencyLayer<S> {
         self.config.cache.as_ref().map(|c| c.changes())
     }
 
-    /// Reads the time from `clock` (claims, expiry, leases) instead of the system clock.
+    /// Reads the time and waits on `clock` (claims, completion, expiry, the status
+    /// resource, leases, in-flight waits, purges) instead of the [`SystemClock`].
     ///
     /// ```
     /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {
     /// use std::sync::Arc;
-    /// use idemkey_core::SystemClock;
+    /// use idemkey_tower::SystemClock;
     ///
     /// // Tests pass a clock they move by hand; this is the default.
     /// let layer = idempotency.clone().clock(Arc::new(SystemClock));

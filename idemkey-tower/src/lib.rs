@@ -19,6 +19,7 @@
 //! in `docs/guide/contract.md`. See [`IdempotencyLayer`] for an example.
 
 mod cache;
+mod clock;
 mod coalesce;
 mod external;
 mod layer;
@@ -31,6 +32,7 @@ mod status;
 mod tx;
 
 pub use self::cache::UNNOTIFIED_BOUND as REPLAY_CACHE_UNNOTIFIED_BOUND;
+pub use self::clock::SystemClock;
 pub use self::external::External;
 pub use self::layer::{IdempotencyLayer, STATUS_PATH};
 pub use self::metrics::{Metrics, Outcome, Reconciled};

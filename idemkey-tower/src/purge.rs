@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use idemkey_core::{Clock, Store, StoreError, Timestamp};
 use tokio::sync::watch;
-use tokio::time::Instant;
 
 use crate::{IdempotencyLayer, Metrics};
 
@@ -38,16 +37,18 @@ fn next_batch(batch: u32, took: Duration) -> u32 {
 /// queue like any request rather than contending for the write lock; after each batch the
 /// purge pauses as long as the batch took, so it holds the store at most half the time
 /// while there is a backlog; and the batch size follows [`next_batch`], so one batch holds
-/// it for about [`BATCH_TARGET`]. `batch` carries the size from round to round.
+/// it for about [`BATCH_TARGET`]. `batch` carries the size from round to round. The
+/// batches are timed, and the pauses taken, on `clock`.
 async fn purge_round<S: Store>(
     store: &S,
+    clock: &dyn Clock,
     now: Timestamp,
     batch: &mut u32,
 ) -> Result<u64, StoreError> {
     let mut total = 0;
     let mut from = None;
     loop {
-        let started = Instant::now();
+        let started = clock.now();
         let mut tx = store.begin().await?;
         let purged = store.purge_batch(&mut tx, now, from, *batch).await?;
         store.commit(tx).await?;
@@ -56,9 +57,9 @@ async fn purge_round<S: Store>(
             return Ok(total);
         }
         from = purged.through;
-        let took = started.elapsed();
+        let took = started.until(clock.now());
         *batch = next_batch(*batch, took);
-        tokio::time::sleep(took).await;
+        clock.sleep(took).await;
     }
 }
 
@@ -105,15 +106,14 @@ pub struct PurgeTask {
 
 impl PurgeTask {
     /// Purges `store` every `every` (at least one second apart), counting into `metrics`,
-    /// with `clock`'s time. (A layer's [`spawn_purge`](IdempotencyLayer::spawn_purge) fills
+    /// reading the time and waiting between rounds on `clock`. (A layer's [`spawn_purge`](IdempotencyLayer::spawn_purge) fills
     /// in its own store, metrics and clock.)
     ///
     /// ```no_run
     /// # use std::sync::Arc;
     /// # use std::time::Duration;
-    /// # use idemkey_core::SystemClock;
     /// # use idemkey_sqlite::SqliteStore;
-    /// # use idemkey_tower::{Metrics, PurgeTask};
+    /// # use idemkey_tower::{Metrics, PurgeTask, SystemClock};
     /// # async fn run(store: SqliteStore) {
     /// let purge = PurgeTask::spawn(store, Duration::from_secs(60), Metrics::new(), Arc::new(SystemClock));
     /// let mut stats = purge.stats();
@@ -129,12 +129,11 @@ impl PurgeTask {
     ) -> Self {
         let (report, stats) = watch::channel(PurgeStats::default());
         let task = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every.max(Duration::from_secs(1)));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let every = every.max(Duration::from_secs(1));
             let mut batch = PURGE_BATCH;
             loop {
-                tick.tick().await;
-                let result = purge_round(&store, clock.now(), &mut batch).await;
+                let started = clock.now();
+                let result = purge_round(&store, &*clock, started, &mut batch).await;
                 metrics.purge_round();
                 match &result {
                     Ok(n) => {
@@ -152,6 +151,10 @@ impl PurgeTask {
                         Err(_) => s.failures += 1,
                     }
                 });
+                // The next round starts `every` after this one started, or at once if this
+                // one took longer.
+                let next = started.plus(every);
+                clock.sleep(clock.now().until(next)).await;
             }
         });
         Self { task, stats }

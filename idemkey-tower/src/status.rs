@@ -1,5 +1,6 @@
 //! The status resource: `GET /idempotency/v1/keys/{key}` answers the caller's own records.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
@@ -7,17 +8,18 @@ use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use idemkey_core::{IdempotencyKey, KeyHasher, Record, RecordId, Store, Timestamp};
+use idemkey_core::{Clock, IdempotencyKey, KeyHasher, Record, RecordId, Store, Timestamp};
 use serde::Serialize;
 
 use crate::layer::STATUS_PATH;
-use crate::{IdempotencyRejection, Tenant};
+use crate::{IdempotencyRejection, SystemClock, Tenant};
 
 #[derive(Clone)]
 struct StatusState<S> {
     store: S,
     hasher: KeyHasher,
     previous_hasher: Option<KeyHasher>,
+    clock: Arc<dyn Clock>,
 }
 
 /// One record, as the status resource shows it.
@@ -84,15 +86,17 @@ impl From<&Record> for RecordView {
 ///
 /// After a key-secret rotation, use
 /// [`IdempotencyLayer::status_router`](crate::IdempotencyLayer::status_router), which also
-/// finds records made under the previous secret.
+/// finds records made under the previous secret and reads the layer's clock (this one reads
+/// the [`SystemClock`](crate::SystemClock)).
 pub fn status_router<S: Store>(store: S, hasher: KeyHasher) -> axum::Router {
-    router(store, hasher, None)
+    router(store, hasher, None, Arc::new(SystemClock))
 }
 
 pub(crate) fn router<S: Store>(
     store: S,
     hasher: KeyHasher,
     previous_hasher: Option<KeyHasher>,
+    clock: Arc<dyn Clock>,
 ) -> axum::Router {
     axum::Router::new()
         .route(&format!("{STATUS_PATH}/{{key}}"), get(key_status::<S>))
@@ -100,6 +104,7 @@ pub(crate) fn router<S: Store>(
             store,
             hasher,
             previous_hasher,
+            clock,
         })
 }
 
@@ -178,7 +183,7 @@ async fn key_status<S: Store>(
             .into_response();
         }
     };
-    let now = Timestamp::now();
+    let now = state.clock.now();
     let records: Vec<RecordView> = records
         .iter()
         .filter(|r| !r.is_expired(now))

@@ -1,11 +1,14 @@
 //! The layer in external mode: a handler that calls another service, counted here by an
 //! in-process "bank" (a counter of calls that went out).
 
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idemkey_core::{AfterEffect, AnswerRule};
+use idemkey_core::{AfterEffect, AnswerRule, Clock};
+use support::ManualClock;
 use tokio::sync::{Notify, Semaphore};
 
 use axum::Router;
@@ -18,6 +21,7 @@ use idemkey_core::{KeyHasher, ListFilter, RecordState, Store};
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{
     EXPIRES_HEADER, External, IdempotencyLayer, InFlightPolicy, Metrics, REPLAYED_HEADER,
+    SystemClock,
 };
 use serde_json::Value;
 use tempfile::TempDir;
@@ -98,6 +102,15 @@ async fn setup_with(
     policy: InFlightPolicy,
     answers: AnswerRule,
 ) -> (TempDir, SqliteStore, Bank, Router, Metrics) {
+    setup_on(lease, policy, answers, Arc::new(SystemClock)).await
+}
+
+async fn setup_on(
+    lease: Duration,
+    policy: InFlightPolicy,
+    answers: AnswerRule,
+    clock: Arc<dyn Clock>,
+) -> (TempDir, SqliteStore, Bank, Router, Metrics) {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite:{}", dir.path().join("t.db").display());
     let store = SqliteStore::connect(&url).await.unwrap();
@@ -108,7 +121,8 @@ async fn setup_with(
         .external(lease)
         .in_flight(policy)
         .answers(answers)
-        .metrics(metrics.clone());
+        .metrics(metrics.clone())
+        .clock(clock);
     let app = Router::new()
         .route("/transfers", post(transfer).layer(layer))
         .with_state(bank.clone());
@@ -256,22 +270,44 @@ async fn failures_after_the_point_of_no_return_are_indeterminate() {
     assert_eq!(bank.calls.load(Ordering::SeqCst), 2, "neither ran twice");
 }
 
-/// A lease of 300 ms survives a long call because the layer renews it: a retry arriving
-/// after the lease would have lapsed twice waits and replays, instead of finding a lapsed
-/// lease past the point of no return (which would make the operation indeterminate).
-/// Waiting out the real lease is the point of this test.
+/// A lease of 300 ms survives a long call because the layer renews it (every third of it,
+/// on the layer's clock): after the clock moved past twice the lease, the record's lease
+/// still runs, and a retry waits and replays, instead of finding a lapsed lease past the
+/// point of no return (which would make the operation indeterminate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lease_is_renewed_while_the_handler_works() {
     let lease = Duration::from_millis(300);
-    let (_dir, store, bank, app, _metrics) =
-        setup(lease, InFlightPolicy::Wait(Duration::from_secs(5))).await;
+    let clock = ManualClock::new();
+    let (_dir, store, bank, app, _metrics) = setup_on(
+        lease,
+        InFlightPolicy::Wait(Duration::from_secs(5)),
+        AnswerRule::default(),
+        clock.clone(),
+    )
+    .await;
     let body = r#"{"hold":true}"#;
     let first = {
         let app = app.clone();
         tokio::spawn(async move { send(&app, "t-6", body).await })
     };
     bank.entered.notified().await;
-    tokio::time::sleep(lease * 2).await; // past the lease, had it not been renewed
+    // The renewal task sleeps a third of the lease; each step wakes it, and it sleeps again
+    // once the renewal is written.
+    clock.sleeping(1).await;
+    let begun = clock.sleeps_begun();
+    for step in 1..=6 {
+        clock.advance(lease / 3);
+        clock.sleeping(begun + step).await;
+    }
+    let mut conn = store.acquire().await.unwrap();
+    let records = store.list(&mut conn, &ListFilter::default()).await.unwrap();
+    drop(conn);
+    let lease_ends = records[0].lease_expires_at.expect("a lease");
+    assert!(
+        lease_ends > clock.now(),
+        "renewed past twice the lease: ends {lease_ends:?}, now {:?}",
+        clock.now()
+    );
     let retry = {
         let app = app.clone();
         tokio::spawn(async move { send(&app, "t-6", body).await })

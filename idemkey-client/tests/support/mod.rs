@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use idemkey_client::{Clock, Sleep};
+use idemkey_client::{Clock, Sleep, Timestamp};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -266,11 +266,17 @@ impl ManualClock {
     pub(crate) fn sleeps(&self) -> Vec<Duration> {
         self.state.lock().unwrap().sleeps.clone()
     }
+
+    /// The clock's time, as the client's API states times.
+    pub(crate) fn time(&self) -> SystemTime {
+        self.state.lock().unwrap().now
+    }
 }
 
 impl Clock for ManualClock {
-    fn now(&self) -> SystemTime {
-        self.state.lock().unwrap().now
+    fn now(&self) -> Timestamp {
+        let since_epoch = self.time().duration_since(SystemTime::UNIX_EPOCH).unwrap();
+        Timestamp(since_epoch.as_millis() as i64)
     }
 
     fn sleep(&self, duration: Duration) -> Sleep<'_> {

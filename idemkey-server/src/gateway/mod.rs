@@ -24,8 +24,10 @@ use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use http::{Method, header};
-use idemkey_core::{AnswerRule, FirstSentPolicy, SystemClock};
-use idemkey_tower::{IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, Tenant};
+use idemkey_core::{AnswerRule, FirstSentPolicy};
+use idemkey_tower::{
+    IdempotencyLayer, InFlightPolicy, KeyRequirement, Metrics, PurgeTask, SystemClock, Tenant,
+};
 
 use crate::cli::{GatewayArgs, InFlight, KeySecretArgs, PointOfNoReturn};
 use crate::http_server::{self, HttpLimits};

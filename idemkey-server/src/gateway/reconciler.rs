@@ -269,6 +269,7 @@ impl<S: AppDb> Reconciler<S> {
             &resolution,
             "reconciler",
             Some(&note),
+            self.clock.now(),
         )
         .await
         {

@@ -29,7 +29,7 @@ use axum::response::{IntoResponse, Response};
 use futures::FutureExt;
 use http::Request;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease};
-use idemkey_core::{AfterEffect, Store, after_effect, answer_not_captured, owner_progress};
+use idemkey_core::{AfterEffect, Clock, Store, after_effect, answer_not_captured, owner_progress};
 use tower_service::Service;
 use tracing::Instrument;
 
@@ -106,14 +106,13 @@ async fn reserve_waiting<S: Store>(
     lease: Duration,
     wait_left: Option<Duration>,
 ) -> protocol::Result<ClaimOutcome> {
+    let clock = &keyed.config.clock;
+    claim.now = clock.now();
     let deadline = match keyed.config.in_flight {
-        InFlightPolicy::Wait(bound) => {
-            Some(tokio::time::Instant::now() + wait_left.unwrap_or(bound))
-        }
+        InFlightPolicy::Wait(bound) => Some(clock.now().plus(wait_left.unwrap_or(bound))),
         InFlightPolicy::Reject => None,
     };
     loop {
-        claim.now = keyed.config.clock.now();
         let store = &keyed.layer.store;
         let outcome = if keyed.config.marked_at_reservation {
             protocol::reserve_at_point_of_no_return(store, claim, lease).await?
@@ -122,9 +121,10 @@ async fn reserve_waiting<S: Store>(
         };
         match (&outcome, deadline) {
             (ClaimOutcome::InFlight { .. }, Some(deadline))
-                if tokio::time::Instant::now() + POLL < deadline =>
+                if clock.now().plus(POLL) < deadline =>
             {
-                tokio::time::sleep(POLL).await;
+                clock.sleep(POLL).await;
+                claim.now = clock.now();
             }
             _ => return Ok(outcome),
         }
@@ -154,7 +154,8 @@ where
     I::Future: Send + 'static,
 {
     let config = keyed.config.clone();
-    let renewal = keep_alive(lease.clone(), lease.duration() / 3);
+    let clock = &*config.clock;
+    let renewal = keep_alive(lease.clone(), lease.duration() / 3, config.clock.clone());
     let flags = Arc::new(Flags::default());
     req.extensions_mut().insert(External {
         lease: lease.clone(),
@@ -189,12 +190,15 @@ where
     }
     let written = match (&decision, &answer) {
         (AfterEffect::Complete, Answer::Captured(c)) => {
-            persist("storing the outcome", || lease.complete(&c.stored)).await
+            persist(clock, "storing the outcome", || lease.complete(&c.stored)).await
         }
         (AfterEffect::Indeterminate, _) => {
-            persist("marking the outcome unknown", || lease.mark_indeterminate()).await
+            persist(clock, "marking the outcome unknown", || {
+                lease.mark_indeterminate()
+            })
+            .await
         }
-        _ => persist("releasing the key", || lease.release()).await,
+        _ => persist(clock, "releasing the key", || lease.release()).await,
     };
     match &written {
         Ok(()) => {}
@@ -240,12 +244,12 @@ impl Drop for Renewal {
     }
 }
 
-/// Renews `lease` every `every` until the returned [`Renewal`] is dropped, or until a newer
-/// owner took the record over.
-fn keep_alive<S: Store>(lease: Lease<S>, every: Duration) -> Renewal {
+/// Renews `lease` every `every` of `clock` until the returned [`Renewal`] is dropped, or
+/// until a newer owner took the record over.
+fn keep_alive<S: Store>(lease: Lease<S>, every: Duration, clock: Arc<dyn Clock>) -> Renewal {
     Renewal(tokio::spawn(async move {
         loop {
-            tokio::time::sleep(every).await;
+            clock.sleep(every).await;
             match lease.renew().await {
                 Ok(()) => {}
                 Err(protocol::Error::Fenced) => {
@@ -259,8 +263,9 @@ fn keep_alive<S: Store>(lease: Lease<S>, every: Duration) -> Renewal {
 }
 
 /// Retries a write that records what already happened, on store errors (a busy SQLite, a
-/// blip): giving up early would turn a known outcome into an unknown one.
-async fn persist<F, Fut>(what: &str, mut write: F) -> protocol::Result<()>
+/// blip): giving up early would turn a known outcome into an unknown one. The pauses
+/// between attempts are `clock`'s.
+async fn persist<F, Fut>(clock: &dyn Clock, what: &str, mut write: F) -> protocol::Result<()>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = protocol::Result<()>>,
@@ -272,7 +277,7 @@ where
             Err(protocol::Error::Store(e)) => {
                 tracing::warn!(error = %e, "{what} failed; trying again");
                 last = Some(e);
-                tokio::time::sleep(pause).await;
+                clock.sleep(pause).await;
                 pause *= 2;
             }
             other => return other,

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use futures::FutureExt;
 use http::Request;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
-use idemkey_core::{AfterEffect, CommitError, Store, Timestamp, local_after_effect};
+use idemkey_core::{AfterEffect, CommitError, Store, local_after_effect};
 use tokio::sync::Mutex;
 use tower_service::Service;
 
@@ -112,7 +112,7 @@ where
         }
     };
     let done = store
-        .complete_and_commit(tx, &claim.id, token, &captured.stored, Timestamp::now())
+        .complete_and_commit(tx, &claim.id, token, &captured.stored, config.clock.now())
         .await;
     if let Err(e) = done {
         let answer = match e {

@@ -358,18 +358,16 @@ impl<S: Store> Keyed<S> {
         let InFlightPolicy::Wait(bound) = self.config.in_flight else {
             return Ok((None, None));
         };
-        // A bound past what the clock can count waits as long as a century (no overflow).
-        let now = tokio::time::Instant::now();
-        let deadline = now
-            .checked_add(bound)
-            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400));
+        // Counted on the layer's clock from the claim's time (saturating, so a bound past
+        // what the clock can count waits as long as it can).
+        let deadline = claim.now.plus(bound);
         let config = self.config.clone();
         let mut waited = false;
         loop {
             let done = match config.turns.take(claim.id.digest()) {
                 Turn::Mine(guard) => {
-                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-                    return Ok((Some(guard), waited.then_some(left)));
+                    let left = waited.then(|| config.clock.now().until(deadline));
+                    return Ok((Some(guard), left));
                 }
                 Turn::Wait(done) => done,
             };
@@ -377,9 +375,13 @@ impl<S: Store> Keyed<S> {
             let ended = {
                 // Counted while waiting, also when the request is dropped mid-wait.
                 let _waiting = config.metrics.waiting();
-                tokio::time::timeout_at(deadline, coalesce::ended(done)).await
+                let left = config.clock.now().until(deadline);
+                tokio::select! {
+                    () = coalesce::ended(done) => true,
+                    () = config.clock.sleep(left) => false,
+                }
             };
-            if ended.is_err() {
+            if !ended {
                 return Err(self.answer(ClaimOutcome::InFlight {
                     lease_expires_at: None,
                     expires_at: None,
