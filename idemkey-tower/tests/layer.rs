@@ -817,7 +817,7 @@ async fn busy_sqlite_lock_answers_503_store_busy_and_runs_nothing() {
 }
 
 /// The purge a library user spawns from the layer deletes expired records (and only those),
-/// in the background, and counts them.
+/// in the background, every interval of the layer's clock, and counts them.
 #[tokio::test]
 async fn spawned_purge_deletes_expired_records() {
     let (_dir, store) = setup().await;
@@ -852,6 +852,14 @@ async fn spawned_purge_deletes_expired_records() {
         "{}",
         metrics.render()
     );
+
+    // The next round waits on the layer's clock: moving it past the interval (and the last
+    // record's retention) runs the round at once.
+    clock.sleeping(1).await;
+    clock.advance(retention);
+    let done = stats.wait_for(|s| s.rounds >= 2).await.unwrap().to_owned();
+    assert_eq!((done.purged, done.failures), (4, 0));
+    assert_eq!(records(&store).await, 0);
 }
 
 /// A `COMMIT` that fails leaves the outcome unknown to the layer: the answer is 503
