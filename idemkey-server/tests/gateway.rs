@@ -844,7 +844,9 @@ async fn killed_after_forwarding_is_unknown_until_reconciled() {
     assert_eq!(upstream.effects("crash-after"), 1, "the request was sent");
 
     let second = db.gateway(&upstream.base, &["--lease", "1s"]).await;
-    tokio::time::sleep(Duration::from_millis(1100)).await; // the lease lapses
+    // The killed owner's lease lapses on the gateway's clock, in another process: polled.
+    let lapsed = until_final(&client_of(&second), "crash-after", 9).await;
+    lapsed.assert_problem(409, "outcome-unknown");
     for _ in 0..3 {
         let answer = client_of(&second).transfer("crash-after", 9).await;
         answer.assert_problem(409, "outcome-unknown");
