@@ -960,6 +960,50 @@ async fn a_duplicate_waiting_in_memory_is_counted_until_it_goes() {
     assert_eq!(metrics.waiting_in_process(), 0);
 }
 
+/// A duplicate waits for the first attempt as long as the `wait` bound on the layer's
+/// clock: once the clock passes it, the duplicate answers 409 `request-in-flight`, and the
+/// first attempt still completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_waits_until_the_bound_passes_on_the_layers_clock() {
+    let (_dir, store) = setup().await;
+    let clock = ManualClock::new();
+    let bound = Duration::from_secs(5);
+    let app = app(layer(&store)
+        .required()
+        .in_flight(idemkey_tower::InFlightPolicy::Wait(bound))
+        .clock(clock.clone()));
+    let body = r#"{"status": 201}"#;
+    let gate = Gate::new();
+    let owner = {
+        let (app, gate) = (app.clone(), gate.clone());
+        let mut req = request(Some("k-bound"), body);
+        req.extensions_mut().insert(gate);
+        tokio::spawn(async move { send(&app, req).await })
+    };
+    gate.entered.notified().await;
+    let duplicate = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, request(Some("k-bound"), body)).await })
+    };
+    clock.sleeping(1).await;
+    clock.advance(bound);
+    let refused = duplicate.await.unwrap();
+    assert_eq!(
+        refused.status,
+        StatusCode::CONFLICT,
+        "body: {:?}",
+        refused.body
+    );
+    assert_eq!(
+        refused.json()["type"],
+        "urn:idemkey:problem:request-in-flight"
+    );
+    gate.proceed.add_permits(1);
+    let first = owner.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(effects(&store).await, 1);
+}
+
 #[tokio::test]
 async fn a_far_future_expiry_is_answered_and_replayed_without_a_panic() {
     let (_dir, store) = setup().await;
