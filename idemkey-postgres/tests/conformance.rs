@@ -158,7 +158,7 @@ async fn claim_that_waited_on_the_owner_reads_the_record_after_it() {
         panic!("{outcome:?}")
     };
     h.write_effect(&mut owner, "waited-on").await;
-    protocol::complete(&store, &mut owner, &claim.id, token, &stored)
+    protocol::complete(&store, &mut owner, &claim.id, token, &stored, claim.now)
         .await
         .expect("complete");
 

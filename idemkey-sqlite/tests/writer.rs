@@ -69,7 +69,7 @@ async fn run_fresh(store: &SqliteStore, key: &str) -> Result<(), StoreError> {
         headers: vec![],
         body: key.as_bytes().to_vec(),
     };
-    protocol::complete(store, &mut tx, &claim.id, token, &response)
+    protocol::complete(store, &mut tx, &claim.id, token, &response, claim.now)
         .await
         .expect("complete");
     store.commit(tx).await
