@@ -217,7 +217,7 @@ impl Metrics {
     /// let idempotency =
     ///     IdempotencyLayer::new(store, KeyHasher::new(b"secret")).metrics(metrics.clone());
     /// let app: Router = Router::new()
-    ///     // .route("/orders", post(create_order).layer(idempotency.clone().required()))
+    ///     // .route("/orders", post(idempotency.handler(create_order)))
     ///     .route("/metrics", get(move || async move { metrics.render() }));
     /// # let _ = idempotency;
     /// # }
