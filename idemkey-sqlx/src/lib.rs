@@ -4,7 +4,7 @@
 //! of `idemkey-core` so that the core carries no database driver and no runtime:
 //!
 //! - [`RecordRow`], [`AuditRow`], [`MessageRow`], [`OutboxAuditRow`]: the tables' rows, and
-//!   their conversion to the core's types; [`bind_completion`]: a completion's binds;
+//!   their conversion to the core's types;
 //! - [`classify_error`], [`is_connection_lost`]: sqlx errors as
 //!   [`StoreError`](idemkey_core::StoreError)s, by kind and by the [`Code`] a store's
 //!   dialect reads from the database's error code;
@@ -17,7 +17,7 @@ mod outbox;
 mod rows;
 
 pub use self::error::{Code, classify_error, is_connection_lost};
-pub use self::rows::{AuditRow, MessageRow, OutboxAuditRow, RecordRow, bind_completion};
+pub use self::rows::{AuditRow, MessageRow, OutboxAuditRow, RecordRow};
 
 /// What [`impl_outbox_store!`] names in the store's crate.
 #[doc(hidden)]

@@ -182,32 +182,3 @@ impl From<OutboxAuditRow> for OutboxAuditEntry {
         }
     }
 }
-
-/// Binds a completion's values as parameters 1–8, in the order both stores' completing
-/// `UPDATE` numbers them: tenant, key hash, route, the owner's token, then the response's
-/// status, encoded headers and body, and the time.
-pub fn bind_completion<'q, DB>(
-    query: sqlx::query::Query<'q, DB, DB::Arguments>,
-    id: &RecordId,
-    token: i64,
-    response: &StoredResponse,
-    now: Timestamp,
-) -> sqlx::query::Query<'q, DB, DB::Arguments>
-where
-    DB: sqlx::Database,
-    for<'t> &'t String: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
-    for<'t> &'t [u8]: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
-    for<'t> Vec<u8>: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
-    for<'t> i64: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
-    for<'t> i32: sqlx::Encode<'t, DB> + sqlx::Type<DB>,
-{
-    query
-        .bind(&id.tenant)
-        .bind(&id.key_hash[..])
-        .bind(&id.route)
-        .bind(token)
-        .bind(i32::from(response.status))
-        .bind(response.encode_headers())
-        .bind(&response.body[..])
-        .bind(now.as_millis())
-}
