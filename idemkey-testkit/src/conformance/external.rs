@@ -1,0 +1,362 @@
+//! External mode: reservations, leases, takeovers and the point of no return.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemkey_core::protocol::{self, ClaimOutcome, Lease, Resolution};
+use idemkey_core::{ListFilter, RecordId, RecordState, Store, StoreAdmin, Timestamp};
+use tokio::sync::Barrier;
+
+use super::{HOUR, Harness, RETENTION, claim_at, fetch, fp, record_id, response};
+
+/// External mode: a reservation commits at once and holds off other attempts while its
+/// lease lives; the owner completes with its token and retries replay.
+pub async fn reservation_holds_the_key_while_leased<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let id = record_id("t1", "/v1/transfers", "k-ext");
+    let now = Timestamp::now();
+    let lease = Duration::from_secs(30);
+    let first = protocol::reserve(&store, &claim_at(&id, 1, now), lease)
+        .await
+        .expect("reserve");
+    let ClaimOutcome::Owned { token, .. } = first else {
+        panic!("{first:?}")
+    };
+    let second = protocol::reserve(&store, &claim_at(&id, 1, now), lease)
+        .await
+        .expect("reserve");
+    assert_eq!(
+        second,
+        ClaimOutcome::InFlight {
+            lease_expires_at: Some(now.plus(lease)),
+            expires_at: Some(now.plus(RETENTION)),
+        }
+    );
+    let owner = Lease::new(store.clone(), id.clone(), token, lease);
+    owner.renew().await.expect("renew");
+    owner
+        .point_of_no_return()
+        .await
+        .expect("point of no return");
+    owner
+        .complete(&response("{\"ok\":true}"))
+        .await
+        .expect("complete");
+    let third = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+        .await
+        .expect("reserve");
+    assert!(matches!(third, ClaimOutcome::Replay { .. }), "{third:?}");
+}
+
+/// A lapsed lease before the point of no return is taken over; the stale owner can then
+/// neither renew, pass the point of no return, complete nor release.
+pub async fn takeover_before_point_of_no_return_fences_the_stale_owner<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let id = record_id("t1", "/v1/transfers", "k-takeover");
+    let lease = Duration::from_secs(30);
+    let then = Timestamp::now().minus(HOUR);
+    let ClaimOutcome::Owned { token: stale, .. } =
+        protocol::reserve(&store, &claim_at(&id, 1, then), lease)
+            .await
+            .expect("reserve")
+    else {
+        panic!("first reservation must own the key")
+    };
+    // The first owner's lease lapsed an hour ago: the next attempt takes over.
+    let outcome = protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+        .await
+        .expect("reserve");
+    let ClaimOutcome::Owned { token: fresh, .. } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(fresh > stale);
+    let stale_owner = Lease::new(store.clone(), id.clone(), stale, lease);
+    assert!(matches!(
+        stale_owner.renew().await,
+        Err(protocol::Error::Fenced)
+    ));
+    assert!(matches!(
+        stale_owner.point_of_no_return().await,
+        Err(protocol::Error::Fenced)
+    ));
+    assert!(matches!(
+        stale_owner
+            .clone()
+            .complete(&response("{\"stale\":true}"))
+            .await,
+        Err(protocol::Error::Fenced)
+    ));
+    assert!(matches!(
+        stale_owner.release().await,
+        Err(protocol::Error::Fenced)
+    ));
+    Lease::new(store.clone(), id.clone(), fresh, lease)
+        .complete(&response("{\"fresh\":true}"))
+        .await
+        .expect("the new owner completes");
+    let record = fetch(&h, &id).await.expect("record");
+    assert_eq!(record.response.expect("response").body, b"{\"fresh\":true}");
+}
+
+/// A lapsed lease after the point of no return makes the record indeterminate; it is never
+/// handed out for execution again until an operator resolves it.
+pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let id = record_id("t1", "/v1/transfers", "k-unknown");
+    let lease = Duration::from_secs(30);
+    let ClaimOutcome::Owned { token, .. } =
+        protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
+            .await
+            .expect("reserve")
+    else {
+        panic!("must own the key")
+    };
+    Lease::new(store.clone(), id.clone(), token, lease)
+        .point_of_no_return()
+        .await
+        .expect("point of no return");
+    // Seen from an hour later, the owner's lease has lapsed after the point of no return.
+    let later = Timestamp::now().plus(HOUR);
+    for _ in 0..3 {
+        let outcome = protocol::reserve(&store, &claim_at(&id, 1, later), lease)
+            .await
+            .expect("reserve");
+        assert!(
+            matches!(outcome, ClaimOutcome::OutcomeUnknown { .. }),
+            "{outcome:?}"
+        );
+    }
+    let record = fetch(&h, &id).await.expect("record");
+    assert_eq!(record.state, RecordState::Indeterminate);
+    let mut conn = store.acquire().await.expect("acquire");
+    let listed = store
+        .list(
+            &mut conn,
+            &ListFilter {
+                state: Some(RecordState::Indeterminate),
+                ..ListFilter::default()
+            },
+        )
+        .await
+        .expect("list");
+    assert_eq!(listed.len(), 1);
+    drop(conn);
+
+    protocol::resolve(
+        &store,
+        &id,
+        &Resolution::Completed(response("{\"resolved\":1}")),
+        "operator:test",
+        None,
+        Timestamp::now(),
+    )
+    .await
+    .expect("resolve");
+    let outcome = protocol::reserve(&store, &claim_at(&id, 1, later), lease)
+        .await
+        .expect("reserve");
+    assert!(
+        matches!(&outcome, ClaimOutcome::Replay { response, .. } if response.body == b"{\"resolved\":1}"),
+        "{outcome:?}"
+    );
+    // The stale owner cannot overwrite the operator's answer.
+    let late = Lease::new(store.clone(), id.clone(), token, lease)
+        .complete(&response("{\"late\":1}"))
+        .await;
+    assert!(matches!(late, Err(protocol::Error::Fenced)), "{late:?}");
+    // Resolving a completed record is refused.
+    let again = protocol::resolve(
+        &store,
+        &id,
+        &Resolution::Released,
+        "operator:test",
+        None,
+        Timestamp::now(),
+    )
+    .await;
+    assert!(
+        matches!(again, Err(protocol::Error::NotIndeterminate(_))),
+        "{again:?}"
+    );
+}
+
+/// A reservation that marks the point of no return in its own write: it holds off other
+/// attempts like any reservation and completes with its token; its owner passes the point of
+/// no return without a write while the reservation's lease lives and is refused after; a
+/// lapsed one is never taken over (the request may have left) but turns indeterminate; and
+/// an owner that knows nothing left can still release the key.
+pub async fn reservation_marked_at_the_point_of_no_return<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let lease = Duration::from_secs(30);
+    let reserve = |id: RecordId, at: Timestamp| {
+        let store = store.clone();
+        async move {
+            protocol::reserve_at_point_of_no_return(&store, &claim_at(&id, 1, at), lease)
+                .await
+                .expect("reserve")
+        }
+    };
+    let owned = |outcome: ClaimOutcome| match outcome {
+        ClaimOutcome::Owned { token, .. } => token,
+        other => panic!("must own the key: {other:?}"),
+    };
+
+    // Completed by its owner.
+    let done = record_id("t1", "/v1/transfers", "k-marked-done");
+    let now = Timestamp::now();
+    let token = owned(reserve(done.clone(), now).await);
+    assert_eq!(
+        fetch(&h, &done).await.expect("record").state,
+        RecordState::Executing
+    );
+    let second = reserve(done.clone(), now).await;
+    assert!(
+        matches!(second, ClaimOutcome::InFlight { .. }),
+        "{second:?}"
+    );
+    let owner = Lease::new(store.clone(), done.clone(), token, lease).marked_at_reservation(now);
+    owner.point_of_no_return().await.expect("inside the lease");
+    owner
+        .complete(&response("{\"ok\":true}"))
+        .await
+        .expect("complete");
+    let replay = reserve(done.clone(), Timestamp::now()).await;
+    assert!(matches!(replay, ClaimOutcome::Replay { .. }), "{replay:?}");
+
+    // Lapsed: never taken over, and its owner may no longer send.
+    let lapsed = record_id("t1", "/v1/transfers", "k-marked-lapsed");
+    let then = Timestamp::now().minus(HOUR);
+    let token = owned(reserve(lapsed.clone(), then).await);
+    let late = Lease::new(store.clone(), lapsed.clone(), token, lease).marked_at_reservation(then);
+    assert!(matches!(
+        late.point_of_no_return().await,
+        Err(protocol::Error::Fenced)
+    ));
+    let retry = reserve(lapsed.clone(), Timestamp::now()).await;
+    assert!(
+        matches!(retry, ClaimOutcome::OutcomeUnknown { .. }),
+        "{retry:?}"
+    );
+    assert_eq!(
+        fetch(&h, &lapsed).await.expect("record").state,
+        RecordState::Indeterminate
+    );
+
+    // Nothing left: the owner releases, and the next attempt executes.
+    let freed = record_id("t1", "/v1/transfers", "k-marked-freed");
+    let token = owned(reserve(freed.clone(), now).await);
+    Lease::new(store.clone(), freed.clone(), token, lease)
+        .marked_at_reservation(now)
+        .release()
+        .await
+        .expect("release");
+    owned(reserve(freed.clone(), Timestamp::now()).await);
+}
+
+/// External mode under a race, as the gateway makes it: 50 keys × 4 concurrent
+/// reservations (each claimant with a body of its own; the losers are answered in flight or
+/// mismatched), then every owner's completion beside
+/// a stale one per key, all at once. A store may commit such concurrent writes together
+/// ([`Store::insert_autocommit`], [`Store::complete_autocommit`]); each must still be
+/// answered as if written alone: one owner per key, whose own record was stored; every
+/// stale completion refused; every owner's outcome replayed to its own body, and a
+/// mismatch to the others.
+pub async fn concurrent_reservations_and_completions_answer_each_writer<H: Harness>(h: H) {
+    const KEYS: usize = 50;
+    const CLAIMANTS: u8 = 4;
+    let lease = Duration::from_secs(30);
+    let store = h.store().clone();
+    let now = Timestamp::now();
+    let id = |k: usize| record_id("t1", "/v1/transfers", &format!("race-{k}"));
+
+    let barrier = Arc::new(Barrier::new(KEYS * usize::from(CLAIMANTS)));
+    let mut tasks = Vec::new();
+    for k in 0..KEYS {
+        for body in 1..=CLAIMANTS {
+            let (store, barrier, claim) =
+                (store.clone(), barrier.clone(), claim_at(&id(k), body, now));
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let outcome = protocol::reserve_at_point_of_no_return(&store, &claim, lease)
+                    .await
+                    .expect("reserve");
+                (k, body, outcome)
+            }));
+        }
+    }
+    let mut owners: HashMap<usize, (u8, i64)> = HashMap::new();
+    for task in tasks {
+        match task.await.expect("task") {
+            (k, body, ClaimOutcome::Owned { token, .. }) => {
+                assert!(
+                    owners.insert(k, (body, token)).is_none(),
+                    "key {k} owned twice"
+                );
+            }
+            // The owner's record answers another body with a mismatch.
+            (_, _, ClaimOutcome::InFlight { .. } | ClaimOutcome::Mismatch { .. }) => {}
+            (_, _, other) => panic!("a reserved key is not the others': {other:?}"),
+        }
+    }
+    assert_eq!(owners.len(), KEYS, "every key has its owner");
+    for (&k, &(body, _)) in &owners {
+        let record = fetch(&h, &id(k)).await.expect("record");
+        assert_eq!(record.state, RecordState::Executing);
+        assert_eq!(
+            record.fingerprint,
+            fp(body),
+            "key {k} holds its owner's record"
+        );
+    }
+
+    let barrier = Arc::new(Barrier::new(2 * KEYS));
+    let mut tasks = Vec::new();
+    for (&k, &(_, token)) in &owners {
+        for stale in [false, true] {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            let token = if stale { token - 1 } else { token };
+            let owner = Lease::new(store, id(k), token, lease);
+            tasks.push(tokio::spawn(async move {
+                barrier.wait().await;
+                let done = owner.complete(&response(&format!("{{\"key\":{k}}}"))).await;
+                (k, stale, done)
+            }));
+        }
+    }
+    for task in tasks {
+        match task.await.expect("task") {
+            (_, false, done) => done.expect("the owner completes"),
+            (k, true, done) => assert!(
+                matches!(done, Err(protocol::Error::Fenced)),
+                "key {k}: a stale completion is refused: {done:?}"
+            ),
+        }
+    }
+    for (&k, &(body, _)) in &owners {
+        let replay = protocol::reserve_at_point_of_no_return(
+            &store,
+            &claim_at(&id(k), body, Timestamp::now()),
+            lease,
+        )
+        .await
+        .expect("replay");
+        match replay {
+            ClaimOutcome::Replay { response, .. } => {
+                assert_eq!(response.body, format!("{{\"key\":{k}}}").into_bytes())
+            }
+            other => panic!("key {k}: the owner's outcome is replayed: {other:?}"),
+        }
+        let other = protocol::reserve_at_point_of_no_return(
+            &store,
+            &claim_at(&id(k), body % CLAIMANTS + 1, Timestamp::now()),
+            lease,
+        )
+        .await
+        .expect("mismatch");
+        assert!(
+            matches!(other, ClaimOutcome::Mismatch { .. }),
+            "key {k}: another body mismatches: {other:?}"
+        );
+    }
+}
