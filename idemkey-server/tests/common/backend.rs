@@ -128,26 +128,61 @@ impl Backend {
         }
     }
 
-    /// PostgreSQL: how many sessions on this database are inside an open transaction
-    /// (the handlers sleeping in `--simulate-latency`). `None` on SQLite.
-    pub(crate) async fn open_transactions(&self) -> Option<i64> {
-        if self.kind != Kind::Postgres {
-            return None;
+    /// How many transactions on this database are open now (the handlers sleeping in
+    /// `--simulate-latency` inside theirs). PostgreSQL: the sessions idle in a transaction.
+    /// SQLite, whose writers take one lock: 1 while a writer holds it, told by a
+    /// `BEGIN IMMEDIATE` that is refused at once, else 0.
+    pub(crate) async fn open_transactions(&self) -> i64 {
+        match self.kind {
+            Kind::Sqlite => {
+                use sqlx::ConnectOptions;
+                let mut conn = self
+                    .direct
+                    .parse::<sqlx::sqlite::SqliteConnectOptions>()
+                    .expect("a SQLite URL")
+                    .busy_timeout(Duration::ZERO)
+                    .connect()
+                    .await
+                    .expect("open the SQLite database");
+                let held = match sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut conn).await {
+                    Ok(_) => {
+                        sqlx::raw_sql("ROLLBACK")
+                            .execute(&mut conn)
+                            .await
+                            .expect("roll the probe back");
+                        0
+                    }
+                    // SQLITE_BUSY (5), or one of its extended codes.
+                    Err(sqlx::Error::Database(e))
+                        if e.code()
+                            .and_then(|c| c.parse::<i32>().ok())
+                            .map(|c| c & 0xff)
+                            == Some(5) =>
+                    {
+                        1
+                    }
+                    Err(e) => panic!("probe the SQLite write lock: {e}"),
+                };
+                sqlx::Connection::close(conn).await.ok();
+                held
+            }
+            Kind::Postgres => {
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&self.direct)
+                    .await
+                    .expect("connect to PostgreSQL");
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND state = 'idle in transaction'",
+                )
+                .fetch_one(&pool)
+                .await
+                .expect("read pg_stat_activity");
+                pool.close().await;
+                n
+            }
         }
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&self.direct)
-            .await
-            .expect("connect to PostgreSQL");
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND state = 'idle in transaction'",
-        )
-        .fetch_one(&pool)
-        .await
-        .expect("read pg_stat_activity");
-        pool.close().await;
-        Some(n)
     }
 }
 

@@ -129,7 +129,15 @@ pub(crate) async fn lock_wait_behind_another_key(backend: Backend) {
         assert!(Instant::now() < deadline, "the holder never arrived");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The holder's transaction is open (on SQLite, it holds the write lock) before the
+    // bystander comes.
+    while backend.open_transactions().await < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the holder never opened its transaction"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let bystander = api
         .pay_ok(TOKEN1, "k-bystander", &payment(600, "bystander"))
         .await;
