@@ -226,16 +226,29 @@ impl<S, M: Mode> IdempotencyLayer<S, M> {
         T: Extractors,
         St: Clone + Send + Sync + 'static,
     {
-        let refused = <M as mode::sealed::Mode>::refused::<S>();
-        for extractor in <T as mode::sealed::Extractors>::types() {
-            if let Some((_, say)) = refused.iter().find(|(ty, _)| *ty == extractor) {
-                panic!(
-                    "IdempotencyLayer::handler: the handler `{}` {say}",
-                    std::any::type_name::<H>()
-                );
-            }
-        }
+        check_extractors::<S, M, H, T>("handler");
         handler.layer(self)
+    }
+
+    /// `handler` with its `state` behind this layer, as one service built here, once: for
+    /// [`Router::route_service`](axum::Router::route_service) or
+    /// [`fallback_service`](axum::Router::fallback_service). Its extractors are checked as
+    /// [`handler`](Self::handler) checks them. (`handler` is rebuilt around the handler on
+    /// every request, as axum's `Handler::layer` is; this is not.)
+    pub fn handler_service<H, T, St>(
+        self,
+        handler: H,
+        state: St,
+    ) -> IdempotencyService<S, M, axum::handler::HandlerService<H, T, St>>
+    where
+        S: Store + Clone,
+        M: Clone,
+        H: Handler<T, St>,
+        T: Extractors,
+        St: Clone + Send + Sync + 'static,
+    {
+        check_extractors::<S, M, H, T>("handler_service");
+        self.layer(handler.with_state(state))
     }
 
     /// Sets the key requirement: [`KeyRequirement::Required`] (the default: a request
@@ -598,6 +611,20 @@ impl<S> IdempotencyLayer<S, mode::External> {
     ) -> Self {
         self.mode.seal = Some(KeySeal(Arc::new(seal)));
         self
+    }
+}
+
+/// Panics, naming the handler `H`, when one of its extractors `T` is one the mode `M` gives
+/// none of (a `Tx` behind an external layer, an `External` behind a local one).
+fn check_extractors<S: Store, M: Mode, H, T: Extractors>(method: &str) {
+    let refused = <M as mode::sealed::Mode>::refused::<S>();
+    for extractor in <T as mode::sealed::Extractors>::types() {
+        if let Some((_, say)) = refused.iter().find(|(ty, _)| *ty == extractor) {
+            panic!(
+                "IdempotencyLayer::{method}: the handler `{}` {say}",
+                std::any::type_name::<H>()
+            );
+        }
     }
 }
 

@@ -1,5 +1,5 @@
 //! The layer's modes against the handlers' extractors: a route built with
-//! `IdempotencyLayer::handler` whose handler takes the other mode's extractor is refused when
+//! `IdempotencyLayer::handler` (or `handler_service`) whose handler takes the other mode's extractor is refused when
 //! the router is built, before any request; a matching handler is served.
 
 use std::time::Duration;
@@ -85,6 +85,33 @@ async fn an_external_handler_behind_a_local_layer_is_refused_when_the_router_is_
 async fn an_optional_external_behind_a_local_layer_is_refused_when_the_router_is_built() {
     let (_dir, layer) = setup().await;
     let _app: Router = Router::new().route("/r", post(layer.handler(external_optional)));
+}
+
+#[tokio::test]
+#[should_panic(expected = "takes a `Tx`, which a route in external mode does not give")]
+async fn a_tx_handler_service_behind_an_external_layer_is_refused_when_it_is_built() {
+    let (_dir, layer) = setup().await;
+    let layer = layer.external(Duration::from_secs(10));
+    let _app: Router = Router::new().route_service("/r", layer.handler_service(local, ()));
+}
+
+/// A handler's service built once, with its state, is served as its handler would be.
+#[tokio::test]
+async fn a_handler_service_of_the_layers_mode_is_served() {
+    let (_dir, layer) = setup().await;
+    let external_layer = layer.clone().external(Duration::from_secs(10));
+    let app = Router::new()
+        .route_service("/r", layer.handler_service(local, ()))
+        .route_service("/e", external_layer.handler_service(external, ()));
+    assert_eq!(send(&app).await, StatusCode::CREATED);
+    let req = Request::post("/e")
+        .header("idempotency-key", "k1")
+        .body(Body::from("{}"))
+        .unwrap();
+    assert_eq!(
+        app.clone().oneshot(req).await.unwrap().status(),
+        StatusCode::CREATED
+    );
 }
 
 /// The check refuses only the other mode's extractors: each mode's own handlers are built

@@ -53,8 +53,7 @@ pub(super) fn keyed_route<S: GatewayDb>(
     layer: IdempotencyLayer<S, mode::External>,
     forwarder: Arc<Forwarder>,
 ) -> axum::Router {
-    let handler = layer.handler(forward_keyed::<S>);
-    axum::Router::new().fallback_service(axum::handler::Handler::with_state(handler, forwarder))
+    axum::Router::new().fallback_service(layer.handler_service(forward_keyed::<S>, forwarder))
 }
 
 /// Every request that is not the gateway's own.
