@@ -10,6 +10,7 @@
 #
 # BEFORE=path/to/an/older/idemkey runs that build's gateway too, alternating with this
 # build's ROUNDS times (default 2), each on a fresh database; labels `<store>-before`.
+# STORES=postgres (or sqlite) runs one store only.
 # UPSTREAM=path overrides the upstream binary (built by ../shared/peers/run_all.sh --only none,
 # or `cargo build --release` in ../shared/peers/rust-axum-idempotent).
 #
@@ -65,18 +66,30 @@ PY
   kill "$pid"
 }
 
-n=0
-for _ in $(seq "$ROUNDS"); do
-  n=$((n + 1))
-  if [ -n "${BEFORE:-}" ]; then
-    run sqlite-before "$BEFORE" "sqlite:$WORK/before-$n.db"
+one() { # $1 = store, $2 = before|after, $3 = round
+  local label=$1 bin=$BIN db
+  [ "$2" = before ] && { label=$1-before; bin=$BEFORE; }
+  if [ "$1" = sqlite ]; then
+    run "$label" "$bin" "sqlite:$WORK/$2-$3.db"
+  else
+    "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "$2_$3"
+    run "$label" "$bin" "postgres://postgres@127.0.0.1:$PGPORT/$2_$3" --database-pid "$PG_PID"
   fi
-  run sqlite "$BIN" "sqlite:$WORK/after-$n.db"
-  if [ -n "${BEFORE:-}" ]; then
-    "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "before_$n"
-    run postgres-before "$BEFORE" "postgres://postgres@127.0.0.1:$PGPORT/before_$n" --database-pid "$PG_PID"
-  fi
-  "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "after_$n"
-  run postgres "$BIN" "postgres://postgres@127.0.0.1:$PGPORT/after_$n" --database-pid "$PG_PID"
+}
+
+# With BEFORE, the two builds alternate which runs first (the first run of a pair tends to be
+# the faster): BEFORE first in odd rounds, this build first in even ones.
+for n in $(seq "$ROUNDS"); do
+  for store in ${STORES:-sqlite postgres}; do
+    if [ -z "${BEFORE:-}" ]; then
+      one "$store" after "$n"
+    elif [ $((n % 2)) = 1 ]; then
+      one "$store" before "$n"
+      one "$store" after "$n"
+    else
+      one "$store" after "$n"
+      one "$store" before "$n"
+    fi
+  done
 done
 echo "JSON reports in $OUT"
