@@ -11,7 +11,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post_service};
 use idemkey_core::{Clock, FirstSentPolicy};
 use idemkey_outbox::OutboxMetrics;
 use idemkey_tower::{InFlightPolicy, KeyRequirement, Metrics};
@@ -147,22 +147,22 @@ pub fn app<S: AppDb>(db: S, secrets: &KeySecrets, metrics: Metrics, config: &App
     let api = Router::new()
         .route(
             "/v1/payments",
-            post(
+            post_service(
                 idempotency
                     .clone()
                     .requirement(KeyRequirement::Required)
-                    .handler(payments::create_payment::<S>),
+                    .handler_service(payments::create_payment::<S>, state.clone()),
             )
             .get(payments::list_payments::<S>),
         )
         .route("/v1/payments/{id}", get(payments::get_payment::<S>))
         .route(
             "/v1/baseline/payments",
-            post(
+            post_service(
                 idempotency
                     .clone()
                     .requirement(KeyRequirement::Off)
-                    .handler(payments::create_payment::<S>),
+                    .handler_service(payments::create_payment::<S>, state.clone()),
             ),
         )
         .with_state(state)
