@@ -6,8 +6,9 @@
 //! `docs/guide/contract.md` against both.
 
 use axum::response::{IntoResponse, Response};
-use http::{HeaderValue, StatusCode, header};
-use idemkey_core::problem::{self, PROBLEM_JSON, ProblemType};
+use http::{HeaderValue, header};
+use idemkey_core::problem::{self, ProblemType};
+use idemkey_tower::problem_response;
 
 idemkey_core::problem_types! {
     /// Payments API: the body or query is invalid; nothing was done.
@@ -91,28 +92,20 @@ impl IntoResponse for ApiError {
                 None,
             ),
         };
-        let status = StatusCode::from_u16(problem.status)
-            .expect("every registered problem type has a valid status");
-        let mut body = serde_json::json!({
-            "type": problem.uri,
-            "title": problem.title,
-            "status": problem.status,
-            "detail": detail,
-        });
+        let mut more = serde_json::Map::new();
         if let Some(errors) = errors {
-            body["errors"] = serde_json::json!(errors);
+            more.insert("errors".into(), serde_json::json!(errors));
         }
         if let Some(id) = payment_id {
-            body["payment_id"] = serde_json::json!(id);
+            more.insert("payment_id".into(), serde_json::json!(id));
         }
-        let mut response = (status, body.to_string()).into_response();
-        let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if status == StatusCode::UNAUTHORIZED {
-            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        }
-        if status == StatusCode::SERVICE_UNAVAILABLE {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        // The store or the server is busy: a retry a second later may get through.
+        let retry_after = (problem.status == 503).then_some(1);
+        let mut response = problem_response(problem, detail, more, retry_after, None);
+        if problem.status == 401 {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
     }
@@ -120,6 +113,8 @@ impl IntoResponse for ApiError {
 
 #[cfg(test)]
 mod tests {
+    use http::StatusCode;
+
     use super::*;
 
     #[test]

@@ -44,7 +44,9 @@ pub use self::external::External;
 pub use self::layer::{IdempotencyLayer, STATUS_PATH};
 pub use self::metrics::{Metrics, Outcome};
 pub use self::policy::{InFlightPolicy, KeyRequirement};
-pub use self::problem::{IdempotencyRejection, PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
+pub use self::problem::{
+    IdempotencyRejection, PROBLEM_JSON, PROBLEM_TYPE_PREFIX, problem_response,
+};
 pub use self::purge::{PURGE_BATCH, PurgeStats, PurgeTask};
 pub use self::service::{
     EXPIRES_HEADER, IdempotencyService, REPLAYED_HEADER, RETRY_AFTER, is_safe, stored_headers,

@@ -163,21 +163,14 @@ impl IdempotencyRejection {
 
 impl IntoResponse for IdempotencyRejection {
     fn into_response(self) -> Response {
-        let problem = self.problem();
-        let status = self.status();
-        let mut body = serde_json::json!({
-            "type": problem.uri,
-            "title": problem.title,
-            "status": status.as_u16(),
-            "detail": self.to_string(),
-        });
+        let mut more = serde_json::Map::new();
         let mut retry_after = None;
-        let mut link = None;
+        let mut status_url = None;
         match &self {
             Self::KeyReused(m) => {
-                body["differs"] = serde_json::json!(m.parts());
+                more.insert("differs".into(), serde_json::json!(m.parts()));
                 if let Some(pointer) = &m.pointer {
-                    body["pointer"] = serde_json::json!(pointer);
+                    more.insert("pointer".into(), serde_json::json!(pointer));
                 }
             }
             Self::FirstSentExpired {
@@ -185,10 +178,18 @@ impl IntoResponse for IdempotencyRejection {
                 retention,
                 margin,
             } => {
-                body["first_sent"] =
-                    serde_json::json!(httpdate::fmt_http_date(first_sent.to_system_time()));
-                body["retention_secs"] = serde_json::json!(retention.as_secs());
-                body["margin_secs"] = serde_json::json!(margin.as_secs_f64());
+                more.insert(
+                    "first_sent".into(),
+                    serde_json::json!(httpdate::fmt_http_date(first_sent.to_system_time())),
+                );
+                more.insert(
+                    "retention_secs".into(),
+                    serde_json::json!(retention.as_secs()),
+                );
+                more.insert(
+                    "margin_secs".into(),
+                    serde_json::json!(margin.as_secs_f64()),
+                );
             }
             Self::InFlight { retry_after: r }
             | Self::StoreUnavailable { retry_after: r }
@@ -196,32 +197,64 @@ impl IntoResponse for IdempotencyRejection {
             | Self::StoreBusy { retry_after: r } => {
                 retry_after = Some(r.as_secs().max(1));
             }
-            Self::OutcomeUnknown { status_url }
+            Self::OutcomeUnknown { status_url: url }
             | Self::ResponseTooLarge {
-                status_url: Some(status_url),
+                status_url: Some(url),
                 ..
-            } => {
-                body["status_url"] = serde_json::json!(status_url);
-                link = Some(format!("<{status_url}>; rel=\"status\""));
-            }
+            } => status_url = Some(url.as_str()),
             _ => {}
         }
-        let mut response = (status, body.to_string()).into_response();
-        let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if let Some(secs) = retry_after {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
+        let mut response = problem_response(
+            self.problem(),
+            self.to_string(),
+            more,
+            retry_after,
+            status_url,
+        );
         if matches!(self, Self::RequestTooLarge { .. }) {
             // The body may not have been read to its end: the connection cannot carry
             // another request.
-            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
-        if let Some(link) = link.and_then(|l| HeaderValue::from_str(&l).ok()) {
-            headers.insert(header::LINK, link);
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         response
     }
+}
+
+/// An `application/problem+json` answer of `problem`: its `type`, `title`, `status` and
+/// `detail`, then the members `more`; `retry_after` (seconds) sets `Retry-After`, and
+/// `status_url` adds the `status_url` member and a `Link` to it (`rel="status"`). The
+/// layer's rejections, the gateway's and the reference server's are all written by it.
+pub fn problem_response(
+    problem: &ProblemType,
+    detail: String,
+    more: serde_json::Map<String, serde_json::Value>,
+    retry_after: Option<u64>,
+    status_url: Option<&str>,
+) -> Response {
+    let status = StatusCode::from_u16(problem.status)
+        .expect("every registered problem type has a valid status");
+    let mut body = more;
+    body.insert("type".into(), serde_json::json!(problem.uri));
+    body.insert("title".into(), serde_json::json!(problem.title));
+    body.insert("status".into(), serde_json::json!(status.as_u16()));
+    body.insert("detail".into(), serde_json::json!(detail));
+    if let Some(url) = status_url {
+        body.insert("status_url".into(), serde_json::json!(url));
+    }
+    let mut response = (status, serde_json::Value::Object(body).to_string()).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+    if let Some(secs) = retry_after {
+        headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    if let Some(link) =
+        status_url.and_then(|url| HeaderValue::from_str(&format!("<{url}>; rel=\"status\"")).ok())
+    {
+        headers.insert(header::LINK, link);
+    }
+    response
 }
 
 #[cfg(test)]

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
 use http::{HeaderValue, StatusCode, header};
-use idemkey_core::problem::{self, PROBLEM_JSON, ProblemType};
+use idemkey_core::problem::{self, ProblemType};
+use idemkey_tower::problem_response;
 
 /// An error answered by the gateway itself.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -64,36 +65,25 @@ impl GatewayRejection {
 
 impl IntoResponse for GatewayRejection {
     fn into_response(self) -> Response {
-        let problem = self.problem();
-        let status = self.status();
-        let mut body = serde_json::json!({
-            "type": problem.uri,
-            "title": problem.title,
-            "status": status.as_u16(),
-            "detail": self.to_string(),
-        });
-        let mut link = None;
-        if let Self::UpstreamOutcomeUnknown { status_url } = &self {
-            body["status_url"] = serde_json::json!(status_url);
-            link = Some(format!("<{status_url}>; rel=\"status\""));
-        }
-        let mut response = (status, body.to_string()).into_response();
-        let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        match &self {
-            Self::Unauthorized | Self::Unauthenticated => {
-                headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            }
-            Self::UpstreamUnavailable { retry_after } => {
-                headers.insert(
-                    header::RETRY_AFTER,
-                    HeaderValue::from(retry_after.as_secs().max(1)),
-                );
-            }
-            _ => {}
-        }
-        if let Some(link) = link.and_then(|l| HeaderValue::from_str(&l).ok()) {
-            headers.insert(header::LINK, link);
+        let retry_after = match &self {
+            Self::UpstreamUnavailable { retry_after } => Some(retry_after.as_secs().max(1)),
+            _ => None,
+        };
+        let status_url = match &self {
+            Self::UpstreamOutcomeUnknown { status_url } => Some(status_url.as_str()),
+            _ => None,
+        };
+        let mut response = problem_response(
+            self.problem(),
+            self.to_string(),
+            serde_json::Map::new(),
+            retry_after,
+            status_url,
+        );
+        if matches!(self, Self::Unauthorized | Self::Unauthenticated) {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
     }
@@ -101,6 +91,8 @@ impl IntoResponse for GatewayRejection {
 
 #[cfg(test)]
 mod tests {
+    use idemkey_core::problem::PROBLEM_JSON;
+
     use super::*;
 
     #[test]
