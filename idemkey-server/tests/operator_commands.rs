@@ -41,8 +41,15 @@ fn files(dir: &Path) -> Vec<String> {
 
 /// Starts `idemkey serve` in `dir` with `args`, waits until it listens, then kills it.
 fn serve_once(dir: &Path, args: &[&str]) {
+    let mut all = vec!["serve", "--listen", "127.0.0.1:0", "--api-key", "t1=tok1"];
+    all.extend_from_slice(args);
+    run_until_listening(dir, &all, "idemkey listening on ");
+}
+
+/// Starts `idemkey` with `args` in `dir`, waits until it prints a line starting with
+/// `listening`, then kills it.
+fn run_until_listening(dir: &Path, args: &[&str], listening: &str) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_idemkey"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--api-key", "t1=tok1"])
         .args(args)
         .current_dir(dir)
         .env_remove("IDEMKEY_DATABASE_URL")
@@ -53,15 +60,15 @@ fn serve_once(dir: &Path, args: &[&str]) {
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .expect("start idemkey serve");
+        .expect("start idemkey");
     let stdout = child.stdout.take().expect("piped stdout");
-    let listening = BufReader::new(stdout)
+    let listened = BufReader::new(stdout)
         .lines()
         .map_while(Result::ok)
-        .any(|line| line.starts_with("idemkey listening on "));
-    child.kill().expect("stop idemkey serve");
-    child.wait().expect("reap idemkey serve");
-    assert!(listening, "idemkey serve {args:?} did not start");
+        .any(|line| line.starts_with(listening));
+    child.kill().expect("stop idemkey");
+    child.wait().expect("reap idemkey");
+    assert!(listened, "idemkey {args:?} did not start");
 }
 
 #[test]
@@ -573,8 +580,9 @@ async fn keys_commands_work_on_a_database_with_only_idemkeys_tables() {
 #[tokio::test]
 async fn the_gateway_creates_idemkeys_tables_and_none_of_the_payments_api() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idemkey"))
-        .args([
+    run_until_listening(
+        dir.path(),
+        &[
             "gateway",
             "--listen",
             "127.0.0.1:0",
@@ -584,25 +592,9 @@ async fn the_gateway_creates_idemkeys_tables_and_none_of_the_payments_api() {
             "all",
             "--database-url",
             "sqlite:gw.db",
-        ])
-        .current_dir(dir.path())
-        .env_remove("IDEMKEY_DATABASE_URL")
-        .env_remove("IDEMKEY_KEY_SECRET")
-        .env_remove("IDEMKEY_PREVIOUS_KEY_SECRET")
-        .env_remove("IDEMKEY_API_KEYS")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start idemkey gateway");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let listening = BufReader::new(stdout)
-        .lines()
-        .map_while(Result::ok)
-        .any(|line| line.starts_with("idemkey gateway listening on "));
-    child.kill().expect("stop idemkey gateway");
-    child.wait().expect("reap idemkey gateway");
-    assert!(listening, "idemkey gateway did not start");
+        ],
+        "idemkey gateway listening on ",
+    );
 
     let tables = sqlite_tables(&dir.path().join("gw.db")).await;
     for table in ["idemkey_records", "idemkey_audit", "server_settings"] {

@@ -38,8 +38,8 @@ async fn next(notices: &mut EvictionNotices) -> Option<EvictionNotice> {
         .expect("the follower hands out a notice")
 }
 
-#[tokio::test]
-async fn an_eviction_reaches_a_sqlx_store_from_a_rusqlite_one() {
+/// Both stores on one new file, its migrations run.
+async fn both_stores() -> (tempfile::TempDir, SqliteStore, RusqliteStore) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("evictions.db");
     let sqlx = SqliteStore::connect(&format!("sqlite:{}", path.display()))
@@ -47,17 +47,17 @@ async fn an_eviction_reaches_a_sqlx_store_from_a_rusqlite_one() {
         .unwrap();
     sqlx.migrate().await.unwrap();
     let rusqlite = RusqliteStore::open(&path).unwrap();
+    (dir, sqlx, rusqlite)
+}
+
+#[tokio::test]
+async fn an_eviction_reaches_a_sqlx_store_from_a_rusqlite_one() {
+    let (_dir, sqlx, rusqlite) = both_stores().await;
     an_announced_eviction_reaches_the_follower(&sqlx, &rusqlite).await;
 }
 
 #[tokio::test]
 async fn an_eviction_reaches_a_rusqlite_store_from_a_sqlx_one() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("evictions.db");
-    let sqlx = SqliteStore::connect(&format!("sqlite:{}", path.display()))
-        .await
-        .unwrap();
-    sqlx.migrate().await.unwrap();
-    let rusqlite = RusqliteStore::open(&path).unwrap();
+    let (_dir, sqlx, rusqlite) = both_stores().await;
     an_announced_eviction_reaches_the_follower(&rusqlite, &sqlx).await;
 }
