@@ -7,11 +7,21 @@
 #
 #   baseline  BEGIN | the payment and its ledger entry | COMMIT   (serve's unkeyed route)
 #   claim     BEGIN + the claim's INSERT | the payment | the completing UPDATE + COMMIT
-#             (what PgStore sends today: docs/records.md, "What goes over the wire")
+#             (prepared, pipelined: what the statements themselves cost)
 #   deferred  BEGIN + an advisory lock + a SELECT of the record | the payment |
 #             the completed record's INSERT + COMMIT  (a claim by lock, measured, not built)
 #   floor     BEGIN | the payment | the completed record's INSERT + COMMIT  (no claim at all:
 #             not a protocol, the least any record written with the effect can cost)
+#   wire      claim's statements in PgStore's messages (docs/records.md, "What goes over
+#             the wire"): BEGIN; the claim | the payment | the completion; COMMIT; BEGIN;
+#             ROLLBACK  (pgbench's simple protocol, values as literals; the ROLLBACK ends
+#             the empty transaction COMMIT; BEGIN leaves, as PgStore's queued one does.
+#             PgStore EXECUTEs prepared statements with literal arguments, which spares it
+#             the planning this pays)
+#   wire_execute  wire with PgStore's prepared statements: PREPAREd once per connection,
+#             then EXECUTEd with literal arguments in the same messages (what PgStore sends)
+#   wire_prepared  wire's statements prepared and pipelined by pgbench (extended protocol,
+#             bound values): what wire's extra BEGIN and ROLLBACK cost, apart from literals
 #
 # "|" separates round trips; "+" statements sent in one flight (pgbench's pipeline). The
 # statements mirror the store's and the server's SQL (idemkey-postgres/src/store.rs and
@@ -65,6 +75,20 @@ PAYMENT="WITH payment AS (INSERT INTO payments (id, tenant, amount, currency, cu
   INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
   SELECT id, tenant, amount, currency, created_at FROM payment;"
 
+# PgStore's two statements, prepared by name once per connection, as statements.rs does.
+PREPARED="PREPARE ik_claim (text, bytea, text, bytea, bytea, text, bigint, bigint, bigint,
+  bytea, bytea, bigint) AS INSERT INTO idemkey_records ($COLUMNS, first_sent) VALUES (\$1, \$2,
+  \$3, \$4, \$5, \$6, 1, \$7, \$8, \$8, \$9, \$10, \$11, \$12);
+PREPARE ik_complete (text, bytea, text, bigint, integer, bytea, bytea, bigint) AS WITH done AS
+  (UPDATE idemkey_records SET state = 'completed', token = token + 1, lease_expires_at = NULL,
+  response_status = \$5, response_headers = \$6, response_body = \$7, updated_at = \$8
+  WHERE tenant = \$1 AND key_hash = \$2 AND route = \$3 AND token = \$4 RETURNING 1)
+  SELECT idemkey_expect_owned(count(*)) FROM done;"
+EXECUTE_CLAIM="EXECUTE ik_claim('bench', $KEY, 'POST /v1/payments', $B32, $PARTS, 'executing',
+  NULL, 1700000000000, 1700086400000, $SEALED, $MEMBERS, NULL);"
+EXECUTE_COMPLETE="EXECUTE ik_complete('bench', $KEY, 'POST /v1/payments', 1, 201, $HEADERS,
+  $BODY, 1700000000001);"
+
 flight() { # statements, one per argument: one round trip
   if [ $# -gt 1 ]; then echo '\startpipeline'; fi
   # pgbench reads one statement per line
@@ -81,9 +105,19 @@ script() { # $1 = variant
       flight "BEGIN;" "SELECT pg_advisory_xact_lock(:k);" "SELECT * FROM idemkey_records WHERE $ID;"
       flight "$PAYMENT"; flight "$COMPLETED" "COMMIT;" ;;
     floor) flight "BEGIN;"; flight "$PAYMENT"; flight "$COMPLETED" "COMMIT;" ;;
+    # One simple-protocol message each, its statements joined by pgbench's "\;".
+    # (PgStore's ROLLBACK goes with the next transaction's first message; pgbench wants
+    # each script to end out of a transaction: the same statements, in as many messages.)
+    wire) flight "BEGIN\; $CLAIM"; flight "$PAYMENT"; flight "${COMPLETE%;}\; COMMIT\; BEGIN\; ROLLBACK;" ;;
+    wire_execute)
+      # pgbench keeps a client's variables from one transaction to the next (-D prepared=0)
+      echo '\if :prepared = 0'; flight "$PREPARED"; echo '\set prepared 1'; echo '\endif'
+      flight "BEGIN\; $EXECUTE_CLAIM"; flight "$PAYMENT"
+      flight "${EXECUTE_COMPLETE%;}\; COMMIT\; BEGIN\; ROLLBACK;" ;;
+    wire_prepared) flight "BEGIN;" "$CLAIM"; flight "$PAYMENT"; flight "$COMPLETE" "COMMIT;" "BEGIN;" "ROLLBACK;" ;;
   esac
 }
-VARIANTS=(baseline claim deferred floor)
+VARIANTS=(baseline claim deferred floor wire wire_execute wire_prepared)
 for v in "${VARIANTS[@]}"; do script "$v" >"$WORK/$v.sql"; done
 
 TICK=$(getconf CLK_TCK)
@@ -100,7 +134,9 @@ for r in $(seq "$ROUNDS"); do
   base=""
   for v in "${VARIANTS[@]}"; do
     before=$(db_ticks)
-    out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -n -M prepared \
+    mode=prepared
+    case $v in wire | wire_execute) mode=simple ;; esac
+    out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -n -M "$mode" -D prepared=0 \
       -c "$CLIENTS" -j 2 -T "$SECONDS_EACH" -f "$WORK/$v.sql" postgres 2>&1) || {
       echo "$out" >&2
       exit 1
