@@ -30,17 +30,6 @@ work_dir bench
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh
 
-serve() { # $1 = database URL, $2 = the binary (default: this build); waits until it listens
-  local port; port=$(free_port)
-  "${2:-$BIN}" serve --listen "127.0.0.1:$port" --database-url "$1" --api-key bench=tok_bench \
-    --key-secret bench-secret-0123456789abcdef0123456789 --max-connections 64 >"$WORK/serve-$port.log" 2>&1 &
-  local pid=$!
-  PIDS+=("$pid")
-  until_listening "$WORK/serve-$port.log"
-  SERVER_PID=$pid
-  SERVER_URL="http://127.0.0.1:$port"
-}
-
 run_bench() { # $1 = label, then extra `idemkey bench` arguments (--database-pid PID)
   local label=$1; shift
   for mode in fresh replay; do
@@ -63,11 +52,11 @@ PY
 
 # SQLite
 if [ -n "${BEFORE:-}" ]; then
-  serve "sqlite:$WORK/before.db" "$BEFORE"
+  bench_serve "sqlite:$WORK/before.db" "$BEFORE"
   run_bench sqlite-before
   kill "$SERVER_PID"
 fi
-serve "sqlite:$WORK/bench.db"
+bench_serve "sqlite:$WORK/bench.db" "$BIN"
 run_bench sqlite
 kill "$SERVER_PID"
 
@@ -76,7 +65,7 @@ kill "$SERVER_PID"
 # postmaster; its children are the backends.
 run_postgres() { # $1 = label, $2 = the binary
   start_pg "pg-$1"
-  serve "$PG_URL" "$2"
+  bench_serve "$PG_URL" "$2"
   run_bench "$1" --database-pid "$PG_PID"
   kill "$SERVER_PID"
   wait "$SERVER_PID" 2>/dev/null || true

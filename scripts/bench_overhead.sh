@@ -41,33 +41,21 @@ if [ "$STORE" = postgres ]; then
 else
   url="sqlite:$WORK/overhead.db"
 fi
-port=$(free_port)
-"$BIN" serve --listen "127.0.0.1:$port" --database-url "$url" \
-  --api-key bench=tok_bench --key-secret bench-secret-0123456789abcdef0123456789 --max-connections 64 \
-  >"$WORK/serve.log" 2>&1 &
-pid=$!
-PIDS+=("$pid")
-until_listening "$WORK/serve.log"
-grep -qs listening "$WORK/serve.log" || { cat "$WORK/serve.log" >&2; exit 1; }
+bench_serve "$url" "$BIN"
+pid=$SERVER_PID
 
-ticks() { # $@ = pids: user + system clock ticks of these processes and their children's threads
-  local total=0 p
-  for p in "$@"; do
-    for s in /proc/"$p"/task/*/stat; do
-      total=$((total + $(awk '{print $14 + $15}' "$s" 2>/dev/null || echo 0)))
-    done
-  done
-  echo "$total"
+server_ticks() { # user + system clock ticks of the server so far (all its threads)
+  awk '{print $14 + $15}' "/proc/$pid/stat"
 }
-db_pids() { [ "$STORE" = postgres ] && { echo "$PG_PID"; pgrep -P "$PG_PID"; } || true; }
+db_ticks() { if [ "$STORE" = postgres ]; then pg_ticks; else echo 0; fi; }
 HZ=$(getconf CLK_TCK)
 
 wrk_load() { # $1 = path, $2 = KEYED (0/1), $3 = label; prints "req/s server-µs database-µs"
   local out s0 d0 s1 d1 n rate
-  s0=$(ticks "$pid"); d0=$(ticks $(db_pids))
+  s0=$(server_ticks); d0=$(db_ticks)
   out=$(KEYED=$2 RUN="$3-$RANDOM" wrk -t2 -c"$CONNECTIONS" -d"${SECONDS_EACH}s" \
-    -s scripts/lib/payments.lua "http://127.0.0.1:$port$1")
-  s1=$(ticks "$pid"); d1=$(ticks $(db_pids))
+    -s scripts/lib/payments.lua "$SERVER_URL$1")
+  s1=$(server_ticks); d1=$(db_ticks)
   if grep -q 'Non-2xx\|Socket errors' <<<"$out"; then
     echo "$out" >&2
     echo "wrk: responses other than 2xx, or socket errors" >&2
@@ -95,7 +83,7 @@ if [ "${WRK:-1}" = 1 ]; then
 fi
 if [ "${BENCH:-1}" = 1 ]; then
   for round in $(seq "$ROUNDS"); do
-    "$BIN" bench --url "http://127.0.0.1:$port" --token tok_bench --mode fresh \
+    "$BIN" bench --url "$SERVER_URL" --token tok_bench --mode fresh \
       --requests "$REQUESTS" --concurrency "$CONNECTIONS" --duration 120s \
       --server-pid "$pid" "${db_pid[@]}" --json >"$WORK/bench-$round.json"
     python3 - "$WORK/bench-$round.json" "$round" "$STORE" <<'PY'

@@ -40,8 +40,7 @@ switches() { # $1 = pid: context switches of all its threads so far
 }
 
 run() { # $1 = label, $2 = binary
-  local port pid before url db_pid=()
-  port=$(free_port)
+  local pid before url db_pid=()
   if [ "$STORE" = postgres ]; then
     "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "${1//-/_}"
     url="postgres://postgres@127.0.0.1:$PGPORT/${1//-/_}"
@@ -49,14 +48,10 @@ run() { # $1 = label, $2 = binary
   else
     url="sqlite:$WORK/$1.db"
   fi
-  "$2" serve --listen "127.0.0.1:$port" --database-url "$url" \
-    --api-key bench=tok_bench --key-secret bench-secret-0123456789abcdef0123456789 --max-connections 64 \
-    >"$WORK/serve-$1.log" 2>&1 &
-  pid=$!
-  PIDS+=("$pid")
-  until_listening "$WORK/serve-$1.log"
+  bench_serve "$url" "$2"
+  pid=$SERVER_PID
   before=$(switches "$pid")
-  "$AFTER" bench --url "http://127.0.0.1:$port" --token tok_bench --mode "$MODE" \
+  "$AFTER" bench --url "$SERVER_URL" --token tok_bench --mode "$MODE" \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --duration 120s \
     --server-pid "$pid" "${db_pid[@]}" --json >"$OUT/pairs-$1.json"
   echo "$(($(switches "$pid") - before))" >"$OUT/pairs-$1.switches"

@@ -121,19 +121,11 @@ VARIANTS=(baseline claim deferred floor wire wire_execute wire_prepared)
 for v in "${VARIANTS[@]}"; do script "$v" >"$WORK/$v.sql"; done
 
 TICK=$(getconf CLK_TCK)
-db_ticks() { # the postmaster with its reaped children, and its live children
-  local t
-  t=$(awk '{print $14 + $15 + $16 + $17}' "/proc/$PG_PID/stat")
-  for c in $(pgrep -P "$PG_PID"); do
-    t=$((t + $(awk '{print $14 + $15}' "/proc/$c/stat" 2>/dev/null || echo 0)))
-  done
-  echo "$t"
-}
 echo "round variant tps db_cpu_us_per_tx tps/baseline"
 for r in $(seq "$ROUNDS"); do
   base=""
   for v in "${VARIANTS[@]}"; do
-    before=$(db_ticks)
+    before=$(pg_ticks)
     mode=prepared
     case $v in wire | wire_execute) mode=simple ;; esac
     out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -n -M "$mode" -D prepared=0 \
@@ -142,7 +134,7 @@ for r in $(seq "$ROUNDS"); do
       exit 1
     }
     sleep 1 # the backends exit and are reaped into the postmaster's children's time
-    after=$(db_ticks)
+    after=$(pg_ticks)
     tx=$(echo "$out" | awk '/actually processed/ {split($NF, a, "/"); print a[1]}')
     tps=$(echo "$out" | awk '/^tps/ {printf "%.0f", $3}')
     [ -z "$base" ] && base=$tps

@@ -6,12 +6,11 @@ use std::time::Duration;
 
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{
-    Fingerprint, FingerprintSpec, IdempotencyKey, Inserted, KeyHasher, NewRecord, RecordState,
-    RequestParts, Scope, Store, Timestamp,
+    IdempotencyKey, Inserted, KeyHasher, NewRecord, RecordState, Scope, Store, Timestamp,
 };
 use idemkey_postgres::PgStore;
 use idemkey_testkit::Harness;
-use idemkey_testkit::conformance::{begin_owned, response};
+use idemkey_testkit::conformance::{begin_owned, json_fp, response};
 use sqlx::Connection;
 use sqlx::postgres::PgConnection;
 
@@ -118,26 +117,12 @@ fn test_claim(key: &[u8]) -> Claim {
     let key = IdempotencyKey::parse(key).expect("key");
     Claim {
         id: KeyHasher::new(b"secret").record_id(&Scope::new("t1", "POST", "/v1/payments"), &key),
-        fingerprint: json_fingerprint(b"{}"),
+        fingerprint: json_fp("{}"),
         now: Timestamp::now(),
         retention: Duration::from_secs(3600),
         sealed_key: None,
         first_sent: None,
     }
-}
-
-fn json_fingerprint(body: &[u8]) -> Fingerprint {
-    idemkey_core::fingerprint(
-        &RequestParts {
-            method: "POST",
-            route: "/v1/payments",
-            path_params: &[],
-            query: None,
-            content_type: Some("application/json"),
-            body,
-        },
-        &FingerprintSpec::default(),
-    )
 }
 
 /// A claim that waited on the owner's uncommitted row cannot see the row in its own

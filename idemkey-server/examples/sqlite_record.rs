@@ -265,5 +265,6 @@ fn cpu_seconds() -> f64 {
         .iter()
         .filter_map(|i| fields.get(*i).and_then(|f| f.parse::<f64>().ok()))
         .sum();
+    // In USER_HZ, which Linux fixes at 100 for `/proc` (`getconf CLK_TCK`).
     ticks / 100.0
 }

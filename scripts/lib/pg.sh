@@ -5,6 +5,8 @@
 #   start_pg [NAME]        initdb + start in $WORK/NAME (default pg); sets PGBIN, AS_PG,
 #                          PGDATA_DIR, PGPORT, PG_PID (the postmaster) and PG_URL (…/postgres)
 #   stop_pg                stops it (for the caller's EXIT trap; quiet when not started)
+#   pg_ticks               CPU clock ticks (user + system) the server has used so far: the
+#                          postmaster with its reaped children, and its live children
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -27,4 +29,13 @@ stop_pg() {
   if [ -n "${PGDATA_DIR:-}" ]; then
     $AS_PG "$PGBIN/pg_ctl" -D "$PGDATA_DIR" -m fast stop >/dev/null 2>&1 || true
   fi
+}
+
+pg_ticks() {
+  local t c
+  t=$(awk '{print $14 + $15 + $16 + $17}' "/proc/$PG_PID/stat")
+  for c in $(pgrep -P "$PG_PID"); do
+    t=$((t + $(awk '{print $14 + $15}' "/proc/$c/stat" 2>/dev/null || echo 0)))
+  done
+  echo "$t"
 }

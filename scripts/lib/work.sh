@@ -9,6 +9,12 @@
 #   until_listening LOG [TENTHS]
 #                     waits until a server started with its output in LOG says it is
 #                     "listening" (up to TENTHS tenths of a second, default 100)
+#   bench_serve URL BINARY
+#                     starts BINARY's `idemkey serve` on database URL, as the benchmarks
+#                     load it (API key bench=tok_bench, 64 connections), on a free loopback
+#                     port (free_port, scripts/lib/pg.sh); waits until it listens (fails
+#                     with its log if it does not) and sets SERVER_PID, SERVER_URL and
+#                     SERVER_LOG
 #   run_header CMD NOTE
 #                     prints the date, the machine, the commit and CMD, and how long the run
 #                     took ($took seconds, then NOTE), for a report's first lines
@@ -30,6 +36,19 @@ until_listening() {
     grep -qs "listening" "$1" && return 0
     sleep 0.1
   done
+}
+
+bench_serve() {
+  local port
+  port=$(free_port)
+  SERVER_LOG=$WORK/serve-$port.log
+  "$2" serve --listen "127.0.0.1:$port" --database-url "$1" --api-key bench=tok_bench \
+    --key-secret bench-secret-0123456789abcdef0123456789 --max-connections 64 >"$SERVER_LOG" 2>&1 &
+  SERVER_PID=$!
+  PIDS+=("$SERVER_PID")
+  until_listening "$SERVER_LOG"
+  grep -qs listening "$SERVER_LOG" || { cat "$SERVER_LOG" >&2; return 1; }
+  SERVER_URL="http://127.0.0.1:$port"
 }
 
 run_header() {

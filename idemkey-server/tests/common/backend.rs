@@ -102,6 +102,15 @@ impl Backend {
             .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
     }
 
+    /// A one-connection pool to the PostgreSQL database, past the server.
+    async fn direct_pool(&self) -> sqlx::PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&self.direct)
+            .await
+            .expect("connect to PostgreSQL")
+    }
+
     /// What the database holds, read directly with sqlx.
     pub(crate) async fn snapshot(&self) -> Snapshot {
         match self.kind {
@@ -116,11 +125,7 @@ impl Backend {
                 snapshot
             }
             Kind::Postgres => {
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(1)
-                    .connect(&self.direct)
-                    .await
-                    .expect("connect to PostgreSQL");
+                let pool = self.direct_pool().await;
                 let snapshot = read_snapshot!(&pool);
                 pool.close().await;
                 snapshot
@@ -167,11 +172,7 @@ impl Backend {
                 held
             }
             Kind::Postgres => {
-                let pool = sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(1)
-                    .connect(&self.direct)
-                    .await
-                    .expect("connect to PostgreSQL");
+                let pool = self.direct_pool().await;
                 let n: i64 = sqlx::query_scalar(
                     "SELECT count(*) FROM pg_stat_activity
                       WHERE datname = current_database() AND state = 'idle in transaction'",

@@ -104,8 +104,8 @@ pub async fn rejects_mismatched_fingerprint<H: Harness>(h: H) {
     assert_eq!(h.count_effects().await, 1);
 }
 
-/// The fingerprint of a JSON request with `body`, member digests included.
-fn json_fp(body: &str) -> Fingerprint {
+/// The fingerprint of a JSON `POST /v1/payments` with `body`, member digests included.
+pub fn json_fp(body: &str) -> Fingerprint {
     idemkey_core::fingerprint(
         &RequestParts {
             method: "POST",

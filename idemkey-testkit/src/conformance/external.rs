@@ -8,7 +8,7 @@ use idemkey_core::protocol::{self, ClaimOutcome, Lease, Resolution};
 use idemkey_core::{ListFilter, RecordId, RecordState, Store, StoreAdmin, Timestamp};
 use tokio::sync::Barrier;
 
-use super::{HOUR, Harness, RETENTION, claim_at, fetch, fp, record_id, response};
+use super::{HOUR, Harness, RETENTION, claim_at, fetch, fp, record_id, reserve_owned, response};
 
 /// External mode: a reservation commits at once and holds off other attempts while its
 /// lease lives; the owner completes with its token and retries replay.
@@ -105,13 +105,7 @@ pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harnes
     let store = h.store().clone();
     let id = record_id("t1", "/v1/transfers", "k-unknown");
     let lease = Duration::from_secs(30);
-    let ClaimOutcome::Owned { token, .. } =
-        protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
-            .await
-            .expect("reserve")
-    else {
-        panic!("must own the key")
-    };
+    let token = reserve_owned(&store, &claim_at(&id, 1, Timestamp::now()), lease).await;
     Lease::new(store.clone(), id.clone(), token, lease)
         .point_of_no_return()
         .await

@@ -21,8 +21,8 @@ mod retention;
 
 pub use self::claims::{
     claim_on_completed_key_returns_the_record, claims_fresh_key_then_replays,
-    first_sent_is_stored_and_compared, member_digests_round_trip, rejects_mismatched_fingerprint,
-    scope_text_is_stored_as_given, scopes_are_independent,
+    first_sent_is_stored_and_compared, json_fp, member_digests_round_trip,
+    rejects_mismatched_fingerprint, scope_text_is_stored_as_given, scopes_are_independent,
 };
 pub use self::external::{
     concurrent_reservations_and_completions_answer_each_writer,
@@ -167,6 +167,18 @@ pub async fn begin_owned<S: Store>(store: &S, claim: &Claim) -> (S::Transaction,
     match (outcome, tx) {
         (ClaimOutcome::Owned { token, .. }, Some(tx)) => (tx, token),
         (outcome, _) => panic!("a fresh key is owned: {outcome:?}"),
+    }
+}
+
+/// Reserves `claim` in external mode ([`protocol::reserve`]) on a key that must be fresh:
+/// the owner's token.
+pub async fn reserve_owned<S: Store>(store: &S, claim: &Claim, lease: Duration) -> i64 {
+    match protocol::reserve(store, claim, lease)
+        .await
+        .expect("reserve")
+    {
+        ClaimOutcome::Owned { token, .. } => token,
+        outcome => panic!("a fresh key is owned: {outcome:?}"),
     }
 }
 

@@ -5,20 +5,14 @@ use std::time::Duration;
 use idemkey_core::protocol::{self, ClaimOutcome, Lease, Resolution};
 use idemkey_core::{ListFilter, Store, StoreAdmin, Timestamp};
 
-use super::{HOUR, Harness, claim_at, fetch, record_id, run_once};
+use super::{HOUR, Harness, claim_at, fetch, record_id, reserve_owned, run_once};
 
 /// An operator may release an indeterminate operation; the next attempt executes it.
 pub async fn released_indeterminate_record_executes_again<H: Harness>(h: H) {
     let store = h.store().clone();
     let id = record_id("t1", "/v1/transfers", "k-release");
     let lease = Duration::from_secs(30);
-    let ClaimOutcome::Owned { token, .. } =
-        protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
-            .await
-            .expect("reserve")
-    else {
-        panic!("must own the key")
-    };
+    let token = reserve_owned(&store, &claim_at(&id, 1, Timestamp::now()), lease).await;
     let owner = Lease::new(store.clone(), id.clone(), token, lease);
     owner
         .point_of_no_return()
@@ -53,13 +47,7 @@ pub async fn released_reservation_frees_the_key<H: Harness>(h: H) {
     let store = h.store().clone();
     let id = record_id("t1", "/v1/transfers", "k-free");
     let lease = Duration::from_secs(30);
-    let ClaimOutcome::Owned { token, .. } =
-        protocol::reserve(&store, &claim_at(&id, 1, Timestamp::now()), lease)
-            .await
-            .expect("reserve")
-    else {
-        panic!("must own the key")
-    };
+    let token = reserve_owned(&store, &claim_at(&id, 1, Timestamp::now()), lease).await;
     Lease::new(store.clone(), id.clone(), token, lease)
         .release()
         .await
@@ -79,12 +67,7 @@ pub async fn resolutions_are_audited_and_sealed_keys_kept<H: Harness>(h: H) {
     let lease = Duration::from_secs(30);
     let mut claim = claim_at(&id, 1, Timestamp::now().minus(HOUR));
     claim.sealed_key = Some(b"sealed-1".to_vec());
-    let ClaimOutcome::Owned { token, .. } = protocol::reserve(&store, &claim, lease)
-        .await
-        .expect("reserve")
-    else {
-        panic!("must own the key")
-    };
+    let token = reserve_owned(&store, &claim, lease).await;
     let record = fetch(&h, &id).await.expect("record");
     assert_eq!(record.sealed_key.as_deref(), Some(&b"sealed-1"[..]));
     // The lease lapsed before the point of no return: a takeover writes its own sealed key.
