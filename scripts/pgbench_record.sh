@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What the idempotency record costs PostgreSQL, without idemkey's server: pgbench runs the
-# statements of one fresh payment four ways, in alternating rounds, on a throwaway PostgreSQL
-# (fsync on, default settings), and prints transactions per second, the database's CPU µs
-# per transaction (the postmaster, its reaped backends and its live children, from /proc)
-# and each variant's ratio to the baseline of the same round.
+# statements of one fresh payment several ways, in alternating rounds, on a throwaway
+# PostgreSQL (fsync on, default settings), and prints requests per second, the database's CPU
+# µs per request (the postmaster, its reaped backends and its live children, from /proc) and
+# each variant's ratio to the baseline of the same round. A request is one transaction of
+# the script, except in external_grouped (GROUP of them).
 #
 #   baseline  BEGIN | the payment and its ledger entry | COMMIT   (serve's unkeyed route)
 #   claim     BEGIN + the claim's INSERT | the payment | the completing UPDATE + COMMIT
@@ -22,6 +23,13 @@
 #             then EXECUTEd with literal arguments in the same messages (what PgStore sends)
 #   wire_prepared  wire's statements prepared and pipelined by pgbench (extended protocol,
 #             bound values): what wire's extra BEGIN and ROLLBACK cost, apart from literals
+#   external  the gateway's two durable writes, one record each: the claim's INSERT | the
+#             completing UPDATE, each committed alone (no payment: the effect is upstream's)
+#   external_grouped  the same writes as the gateway groups them: 2 clients (one group of
+#             each kind at a time), GROUP records (default 16) a statement, the INSERT's rows
+#             from generate_series, the UPDATE's as literal VALUES joined to the table
+#             (idemkey-postgres/src/group.rs); simple protocol, planned each time, as the
+#             gateway's completion is
 #
 # "|" separates round trips; "+" statements sent in one flight (pgbench's pipeline). The
 # statements mirror the store's and the server's SQL (idemkey-postgres/src/store.rs and
@@ -31,6 +39,8 @@
 # Loopback only; each run is bounded by its seconds.
 #
 #   scripts/pgbench_record.sh [ROUNDS] [SECONDS] [CLIENTS]
+#
+# VARIANTS="baseline external …" runs those only (the first is the ratios' baseline).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
@@ -75,6 +85,22 @@ PAYMENT="WITH payment AS (INSERT INTO payments (id, tenant, amount, currency, cu
   INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
   SELECT id, tenant, amount, currency, created_at FROM payment;"
 
+# The gateway's grouped writes, GROUP records a statement (its two statements' shapes in
+# idemkey-postgres/src/group.rs, their rows made by generate_series here).
+GROUP=${GROUP:-16}
+GKEY="int8send(:k) || int4send(g) || '\\x0102030405060708091011121314151617181920'::bytea"
+GROUP_CLAIM="INSERT INTO idemkey_records ($COLUMNS) SELECT 'bench', $GKEY, 'POST /v1/payments',
+  $B32, $PARTS, 'executing', 1, 1800000000000, 1700000000000, 1700000000000, 1700086400000,
+  $SEALED, $MEMBERS FROM generate_series(1, $GROUP) AS g ON CONFLICT DO NOTHING
+  RETURNING tenant, key_hash, route;"
+# the group's rows as literal VALUES joined to the table, as the gateway sends them
+GROWS=$(for g in $(seq "$GROUP"); do printf "('bench', %s, 'POST /v1/payments', 1), " "${GKEY//int4send(g)/int4send($g)}"; done)
+GROUP_COMPLETE="UPDATE idemkey_records AS r SET state = 'completed', token = r.token + 1,
+  lease_expires_at = NULL, response_status = 201, response_headers = $HEADERS,
+  response_body = $BODY, updated_at = 1700000000001 FROM (VALUES ${GROWS%, })
+  AS c (tenant, key_hash, route, token) WHERE r.tenant = c.tenant AND r.key_hash = c.key_hash
+  AND r.route = c.route AND r.token = c.token RETURNING r.tenant, r.key_hash, r.route;"
+
 # PgStore's two statements, prepared by name once per connection, as statements.rs does.
 PREPARED="PREPARE ik_claim (text, bytea, text, bytea, bytea, text, bigint, bigint, bigint,
   bytea, bytea, bigint) AS INSERT INTO idemkey_records ($COLUMNS, first_sent) VALUES (\$1, \$2,
@@ -115,29 +141,33 @@ script() { # $1 = variant
       flight "BEGIN\; $EXECUTE_CLAIM"; flight "$PAYMENT"
       flight "${EXECUTE_COMPLETE%;}\; COMMIT\; BEGIN\; ROLLBACK;" ;;
     wire_prepared) flight "BEGIN;" "$CLAIM"; flight "$PAYMENT"; flight "$COMPLETE" "COMMIT;" "BEGIN;" "ROLLBACK;" ;;
+    external) flight "$CLAIM"; flight "$COMPLETE" ;;
+    external_grouped) flight "$GROUP_CLAIM"; flight "$GROUP_COMPLETE" ;;
   esac
 }
-VARIANTS=(baseline claim deferred floor wire wire_execute wire_prepared)
+read -r -a VARIANTS <<<"${VARIANTS:-baseline claim deferred floor wire wire_execute wire_prepared external}"
 for v in "${VARIANTS[@]}"; do script "$v" >"$WORK/$v.sql"; done
 
 TICK=$(getconf CLK_TCK)
-echo "round variant tps db_cpu_us_per_tx tps/baseline"
+echo "round variant requests/s db_cpu_us_per_request ratio_to_baseline"
 for r in $(seq "$ROUNDS"); do
   base=""
   for v in "${VARIANTS[@]}"; do
     before=$(pg_ticks)
-    mode=prepared
+    mode=prepared clients=$CLIENTS per=1
     case $v in wire | wire_execute) mode=simple ;; esac
+    # the gateway's writer: one group of each kind at a time, GROUP requests a transaction
+    [ "$v" = external_grouped ] && { mode=simple clients=2 per=$GROUP; }
     out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -n -M "$mode" -D prepared=0 \
-      -c "$CLIENTS" -j 2 -T "$SECONDS_EACH" -f "$WORK/$v.sql" postgres 2>&1) || {
+      -c "$clients" -j 2 -T "$SECONDS_EACH" -f "$WORK/$v.sql" postgres 2>&1) || {
       echo "$out" >&2
       exit 1
     }
     sleep 1 # the backends exit and are reaped into the postmaster's children's time
     after=$(pg_ticks)
     tx=$(echo "$out" | awk '/actually processed/ {split($NF, a, "/"); print a[1]}')
-    tps=$(echo "$out" | awk '/^tps/ {printf "%.0f", $3}')
-    [ -z "$base" ] && base=$tps
-    echo "$r $v $tps $(((after - before) * 1000000 / TICK / tx)) $(echo "$tps $base" | awk '{printf "%.2f", $1 / $2}')"
+    rps=$(echo "$out" | awk -v per="$per" '/^tps/ {printf "%.0f", $3 * per}')
+    [ -z "$base" ] && base=$rps
+    echo "$r $v $rps $(((after - before) * 1000000 / TICK / tx / per)) $(echo "$rps $base" | awk '{printf "%.2f", $1 / $2}')"
   done
 done

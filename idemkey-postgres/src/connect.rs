@@ -46,11 +46,10 @@ impl PgStore {
         Self {
             kept: Kept::new(&pool),
             pool,
-            // Two groups of each kind at a time, each on a pooled connection: the writes wait
-            // on round trips and commits rather than on CPU, so a second group in flight
-            // overlaps that wait (docs/decisions.md, "Concurrent external-mode writes are
-            // committed in groups").
-            grouped: GroupedWrites::new(2),
+            // One group of each kind at a time: the writes that arrive while it commits make
+            // the next group, so each commit carries more rows (docs/decisions.md,
+            // "Concurrent external-mode writes are committed in groups").
+            grouped: GroupedWrites::default(),
             lock_wait: None,
             pooled: false,
         }

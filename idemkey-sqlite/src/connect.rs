@@ -11,7 +11,6 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
-use crate::group::GROUP_WRITERS;
 use crate::store::error;
 use crate::writer::Writer;
 
@@ -45,7 +44,7 @@ impl SqliteStore {
         Self {
             pool,
             writer: Arc::new(Writer::new(None, false)),
-            grouped: GroupedWrites::new(GROUP_WRITERS),
+            grouped: GroupedWrites::default(),
         }
     }
 
@@ -82,7 +81,7 @@ impl SqliteStore {
         Ok(Self {
             pool,
             writer: Arc::new(Writer::new(Some(busy_timeout), true)),
-            grouped: GroupedWrites::new(GROUP_WRITERS),
+            grouped: GroupedWrites::default(),
         })
     }
 

@@ -18,12 +18,6 @@ use crate::driver::arguments;
 use crate::params;
 use crate::store::error;
 
-/// External mode's grouped writes: one group of each kind at a time. The writer takes them
-/// in turns anyway, and a second group only splits the waiting writes (the gateway's fresh
-/// requests were slower with two: docs/decisions.md, "Concurrent external-mode writes are
-/// committed in groups").
-pub(crate) const GROUP_WRITERS: usize = 1;
-
 /// How a store writes a group of two or more, in one turn of the writer, all or nothing.
 pub(crate) trait WritesGroups: GroupWriter {
     /// Inserts `rows` (`INSERT … ON CONFLICT DO NOTHING`): the keys it inserted.

@@ -12,7 +12,6 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use crate::SqliteStore;
 use crate::checkpoint::Checkpoints;
-use crate::group::GROUP_WRITERS;
 use crate::rusqlite_store::error;
 use crate::writer::WriterTimedOut;
 
@@ -103,7 +102,7 @@ impl RusqliteStore {
             create,
             turn: Arc::new(Mutex::new(None)),
             idle: StdMutex::new(Vec::new()),
-            grouped: GroupedWrites::new(GROUP_WRITERS),
+            grouped: GroupedWrites::default(),
             checkpoints,
         };
         *shared

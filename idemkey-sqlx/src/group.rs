@@ -96,18 +96,20 @@ pub struct GroupedWrites {
     completions: Arc<Group<Completion, Result<bool, StoreError>>>,
 }
 
-impl GroupedWrites {
-    /// Queues whose groups of each kind are written at most `writers` at a time (at least
-    /// one); the writes that arrive meanwhile wait for the next group. A store whose writes
-    /// run side by side (PostgreSQL, each group on a connection of its own) gains from two;
-    /// one whose writes take turns anyway (SQLite's one writer) only splits its groups.
-    pub fn new(writers: usize) -> Self {
+impl Default for GroupedWrites {
+    /// Queues whose groups of each kind are written one at a time; the writes that arrive
+    /// meanwhile wait for the next group. A second group in flight would only split them
+    /// into more commits (docs/decisions.md, "Concurrent external-mode writes are committed
+    /// in groups").
+    fn default() -> Self {
         Self {
-            reservations: Arc::new(Group::new(writers)),
-            completions: Arc::new(Group::new(writers)),
+            reservations: Arc::new(Group::new()),
+            completions: Arc::new(Group::new()),
         }
     }
+}
 
+impl GroupedWrites {
     /// [`Store::insert_autocommit`], grouped by `store`'s [`GroupWriter::insert_group`].
     pub async fn insert<S: GroupWriter>(
         &self,
@@ -225,27 +227,25 @@ where
     answers
 }
 
-/// Writes of one kind (`T`, answered with `R`), grouped.
+/// Writes of one kind (`T`, answered with `R`), grouped, written by one writer task at a
+/// time.
 pub(crate) struct Group<T, R> {
     queue: Mutex<Queue<T, R>>,
-    /// At most this many writer tasks at a time.
-    writers: usize,
 }
 
 struct Queue<T, R> {
     waiting: Vec<(T, oneshot::Sender<R>)>,
-    writing: usize,
+    /// A writer task is running: it takes what is waiting before it stops.
+    writing: bool,
 }
 
 impl<T, R> Group<T, R> {
-    /// A group whose writes are written by at most `writers` writer tasks at a time.
-    fn new(writers: usize) -> Self {
+    fn new() -> Self {
         Self {
             queue: Mutex::new(Queue {
                 waiting: Vec::new(),
-                writing: 0,
+                writing: false,
             }),
-            writers: writers.max(1),
         }
     }
 
@@ -274,10 +274,8 @@ impl<T: Send + 'static, R: Send + 'static> Group<T, R> {
         let start = {
             let mut queue = self.lock();
             queue.waiting.push((item, answer));
-            let start = queue.writing < self.writers;
-            if start {
-                queue.writing += 1;
-            }
+            let start = !queue.writing;
+            queue.writing = true;
             start
         };
         if start {
@@ -307,7 +305,7 @@ impl<T: Send + 'static, R: Send + 'static> Writer<T, R> {
             let (items, answers): (Vec<T>, Vec<oneshot::Sender<R>>) = {
                 let mut queue = self.group.lock();
                 if queue.waiting.is_empty() {
-                    queue.writing -= 1;
+                    queue.writing = false;
                     return;
                 }
                 let take = queue.waiting.len().min(MAX_GROUP);
@@ -337,11 +335,11 @@ mod tests {
     use super::*;
 
     /// 500 concurrent writes: each answered with its own result, in groups of at most
-    /// `MAX_GROUP`, with no more than two groups written at once, and none left
-    /// waiting when the writers stop (the test would hang).
+    /// `MAX_GROUP`, one group written at a time, and none left waiting when the writer
+    /// stops (the test would hang).
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn every_write_is_answered_with_its_own_result() {
-        let group: Arc<Group<u32, u32>> = Arc::new(Group::new(2));
+        let group: Arc<Group<u32, u32>> = Arc::new(Group::new());
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let writing = Arc::new(Mutex::new((0usize, 0usize)));
         let submits = (0..500u32).map(|i| {
@@ -374,8 +372,8 @@ mod tests {
             sizes.iter().all(|&n| (1..=MAX_GROUP).contains(&n)),
             "{sizes:?}"
         );
-        assert!(writing.lock().unwrap().1 <= 2);
-        assert_eq!(group.lock().writing, 0, "the writers stopped");
+        assert_eq!(writing.lock().unwrap().1, 1, "one group at a time");
+        assert!(!group.lock().writing, "the writer stopped");
     }
 
     /// A plan keeps the first write of each record, in key order, and leaves the others to
@@ -401,12 +399,11 @@ mod tests {
     }
 
     /// A write that panics answers its own group `None`, and the writes queued behind it
-    /// are still written: every writer panics while
-    /// the others wait, and all of them are answered.
+    /// are still written: the writer's group panics while the others wait, and all of them
+    /// are answered.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_write_that_panics_answers_none_and_strands_nobody() {
-        let writers = 2;
-        let group: Arc<Group<u32, u32>> = Arc::new(Group::new(2));
+        let group: Arc<Group<u32, u32>> = Arc::new(Group::new());
         let release = Arc::new(tokio::sync::Notify::new());
         let (started, mut writing) = tokio::sync::mpsc::unbounded_channel();
         let write = {
@@ -414,7 +411,7 @@ mod tests {
             move |items: Vec<u32>| {
                 let (release, started) = (release.clone(), started.clone());
                 async move {
-                    if items.iter().any(|&i| i < writers) {
+                    if items.contains(&0) {
                         let released = release.notified();
                         started.send(()).expect("the test waits");
                         released.await;
@@ -428,23 +425,18 @@ mod tests {
             let (group, write) = (group.clone(), write.clone());
             tokio::spawn(async move { group.submit(i, write).await })
         };
-        // Two panicking groups occupy both writers...
-        let mut first = Vec::new();
-        for i in 0..writers {
-            first.push(submit(i));
-            writing.recv().await.expect("a writer started");
-        }
-        // ...while the others queue behind them.
-        let queued: Vec<_> = (writers..50).map(submit).collect();
+        // A panicking group occupies the writer...
+        let first = submit(0);
+        writing.recv().await.expect("the writer started");
+        // ...while the others queue behind it.
+        let queued: Vec<_> = (1..50).map(submit).collect();
         while group.lock().waiting.len() < queued.len() {
             tokio::task::yield_now().await;
         }
         release.notify_waiters();
         let answers = async {
-            for task in first {
-                assert_eq!(task.await.expect("task"), None);
-            }
-            for (i, task) in (writers..50).zip(queued) {
+            assert_eq!(first.await.expect("task"), None);
+            for (i, task) in (1..50).zip(queued) {
                 assert_eq!(task.await.expect("task"), Some(i * 2));
             }
         };
@@ -452,6 +444,6 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(60), answers)
             .await
             .expect("every queued write answered");
-        assert_eq!(group.lock().writing, 0, "the writers stopped");
+        assert!(!group.lock().writing, "the writer stopped");
     }
 }
