@@ -3,14 +3,18 @@
 # throwaway PostgreSQL (fsync on), starts the counting upstream of ../shared/peers (the axum
 # peer with its layer inert, 0 ms effect), the gateway in front of it, and runs
 # `idemkey bench` in fresh and replay mode against POST /payments. Loopback only; bounded by
-# --requests and --duration. The side-by-side comparison with idempotent-proxy is
-# ../shared/peers/gateway_side_by_side.py; this script is for before/after.
+# --requests and --duration. For before/after (BEFORE), and for the CPU a request costs each
+# process beside idempotent-proxy's (PROXY); the peers' harness compares the two too
+# (../shared/peers/gateway_side_by_side.py), without CPU figures.
 #
 #   scripts/bench_gateway.sh [REQUESTS] [CONCURRENCY] [ROUNDS]
 #
 # BEFORE=path/to/an/older/idemkey runs that build's gateway too, alternating with this
 # build's ROUNDS times (default 2), each on a fresh database; labels `<store>-before`.
 # STORES=postgres (or sqlite) runs one store only.
+# PROXY=path/to/idempotent-proxy-server also runs idempotent-proxy (ldclabs, the other Rust
+# idempotency proxy) with a throwaway Redis (redis-server, no persistence) before the same
+# upstream, after the gateway in each round; its "store" CPU is Redis's.
 # UPSTREAM=path overrides the upstream binary (built by ../shared/peers/run_all.sh --only none,
 # or `cargo build --release` in ../shared/peers/rust-axum-idempotent).
 #
@@ -38,6 +42,25 @@ UP_PORT=$(free_port)
 EFFECT_DELAY_MS=0 INJECT_SESSION=0 PORT=$UP_PORT HOST=127.0.0.1 "$UPSTREAM" >"$WORK/upstream.log" 2>&1 &
 PIDS+=("$!")
 
+load() { # $1 = label, $2 = port, $3 = the proxy's pid, $4 = path, then extra `idemkey bench` arguments
+  local label=$1 port=$2 pid=$3 path=$4; shift 4
+  for mode in fresh replay; do
+    "$BIN" bench --url "http://127.0.0.1:$port" --token t --mode "$mode" --path "$path" \
+      --baseline-path "$path" --effects-path "" --requests "$REQUESTS" \
+      --concurrency "$CONCURRENCY" --duration 120s --server-pid "$pid" "$@" --json \
+      >"$OUT/gateway-$label-$mode.json"
+    python3 - "$OUT/gateway-$label-$mode.json" "$label" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+p = r["phases"][-1]
+us = lambda v: "-" if v is None else f"{v:.0f} µs"
+print(f'{sys.argv[2]:<16} {p["name"]:<7} {p["requests_per_second"]:>8.0f} req/s  p99 {p["p99_ms"]:6.1f} ms'
+      f'  cpu/req proxy {us(p.get("server_cpu_us_per_request"))} store {us(p.get("database_cpu_us_per_request"))}'
+      f'  statuses {p["statuses"]}')
+PY
+  done
+}
+
 run() { # $1 = label, $2 = binary, $3 = database URL, then extra `idemkey bench` arguments
   local label=$1 bin=$2 db=$3; shift 3
   local port; port=$(free_port)
@@ -48,22 +71,28 @@ run() { # $1 = label, $2 = binary, $3 = database URL, then extra `idemkey bench`
   local pid=$!
   PIDS+=("$pid")
   until_listening "$WORK/gateway-$port.log"
-  for mode in fresh replay; do
-    "$BIN" bench --url "http://127.0.0.1:$port" --token t --mode "$mode" --path /payments \
-      --baseline-path /payments --effects-path "" --requests "$REQUESTS" \
-      --concurrency "$CONCURRENCY" --duration 120s --server-pid "$pid" "$@" --json \
-      >"$OUT/gateway-$label-$mode.json"
-    python3 - "$OUT/gateway-$label-$mode.json" "$label" <<'PY'
-import json, sys
-r = json.load(open(sys.argv[1]))
-p = r["phases"][-1]
-us = lambda v: "-" if v is None else f"{v:.0f} µs"
-print(f'{sys.argv[2]:<16} {p["name"]:<7} {p["requests_per_second"]:>8.0f} req/s  p99 {p["p99_ms"]:6.1f} ms'
-      f'  cpu/req gateway {us(p.get("server_cpu_us_per_request"))} database {us(p.get("database_cpu_us_per_request"))}'
-      f'  statuses {p["statuses"]}')
-PY
-  done
+  load "$label" "$port" "$pid" /payments "$@"
   kill "$pid"
+}
+
+proxy() { # idempotent-proxy ($PROXY) and a throwaway Redis (no persistence), before the upstream
+  local port redis_port redis pid
+  port=$(free_port)
+  redis_port=$(free_port)
+  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
+    >"$WORK/redis-$redis_port.log" 2>&1 &
+  redis=$!
+  touch "$WORK/.env" # idempotent-proxy refuses to start without one
+  (cd "$WORK" && SERVER_ADDR=127.0.0.1:$port URL_UP=http://127.0.0.1:$UP_PORT/payments \
+    REDIS_URL=redis://127.0.0.1:$redis_port exec "$PROXY") >"$WORK/proxy-$port.log" 2>&1 &
+  pid=$!
+  PIDS+=("$redis" "$pid")
+  for _ in $(seq 100); do
+    (: </dev/tcp/127.0.0.1/"$port") 2>/dev/null && break
+    sleep 0.1
+  done
+  load idempotent-proxy "$port" "$pid" /URL_UP --database-pid "$redis"
+  kill "$pid" "$redis"
 }
 
 one() { # $1 = store, $2 = before|after, $3 = round
@@ -91,5 +120,6 @@ for n in $(seq "$ROUNDS"); do
       one "$store" before "$n"
     fi
   done
+  if [ -n "${PROXY:-}" ]; then proxy; fi
 done
 echo "JSON reports in $OUT"
