@@ -1,13 +1,44 @@
 //! External mode's grouped writes: [`GroupWriter`] for [`PgStore`].
 
-use idemkey_core::{Inserted, NewRecord, StoreError};
-use idemkey_sqlx::group::{self, Completion, GroupWriter};
-use sqlx::{AssertSqlSafe, FromRow};
+use std::collections::HashSet;
+
+use futures::TryStreamExt;
+use idemkey_core::{Inserted, NewRecord, RecordId, StoreError};
+use idemkey_sqlx::group::{self, Completion, GroupAnswers, GroupWriter};
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, Either, FromRow};
 
 use crate::PgStore;
 use crate::literal::{self, Args, Columns, Sql};
 use crate::sqlstate::is_connection_lost;
 use crate::statements::{bind_completion, bind_record};
+
+/// The grouped reservation's `INSERT`, its rows as literal arrays.
+pub(crate) fn reservation_rows(rows: &[&NewRecord]) -> Result<String, StoreError> {
+    let insert = literal::query(
+        "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
+                fingerprint_parts, state, token, lease_expires_at, created_at, updated_at,
+                expires_at, sealed_key, fingerprint_members, first_sent)
+         SELECT tenant, key_hash, route, fingerprint, parts, state, 1, lease, created,
+                created, expires, sealed, members, first_sent
+           FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::bytea[],
+                       $6::text[], $7::bigint[], $8::bigint[], $9::bigint[],
+                       $10::bytea[], $11::bytea[], $12::bigint[])
+                WITH ORDINALITY AS r (tenant, key_hash, route, fingerprint, parts, state,
+                                      lease, created, expires, sealed, members,
+                                      first_sent, n)
+          ORDER BY n
+         ON CONFLICT (tenant, key_hash, route) DO NOTHING
+         RETURNING tenant, key_hash, route",
+    );
+    let columns = rows.iter().fold(Columns::default(), |columns, r| {
+        bind_record(columns.row(), r)
+    });
+    columns
+        .bind_to(insert)?
+        .text()
+        .map_err(|e| StoreError::Database(Box::new(e)))
+}
 
 /// The grouped completion's `UPDATE`, its rows as literals (see
 /// [`GroupWriter::complete_group`]).
@@ -33,57 +64,101 @@ pub(crate) fn completion_rows(rows: &[&Completion]) -> Result<String, StoreError
     Ok(sql.finish())
 }
 
-impl GroupWriter for PgStore {
-    /// One `INSERT` of every row (autocommit), answered [`Inserted::Owned`] for the rows it
-    /// inserted and [`Inserted::Conflict`] for the keys it found taken (the protocol reads
-    /// those records). If the statement fails, nobody can tell whose row failed it: each
-    /// reservation is made again alone, which is safe whether or not the group committed (a
-    /// reservation that finds its own row is answered as any claim that finds a record in
-    /// flight).
-    async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
-        let (rows, in_group) = group::plan(&records, |r| &r.id);
-        let insert = literal::query_as::<(String, Vec<u8>, String)>(
-            "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
-                    fingerprint_parts, state, token, lease_expires_at, created_at, updated_at,
-                    expires_at, sealed_key, fingerprint_members, first_sent)
-             SELECT tenant, key_hash, route, fingerprint, parts, state, 1, lease, created,
-                    created, expires, sealed, members, first_sent
-               FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::bytea[],
-                           $6::text[], $7::bigint[], $8::bigint[], $9::bigint[],
-                           $10::bytea[], $11::bytea[], $12::bigint[])
-                    WITH ORDINALITY AS r (tenant, key_hash, route, fingerprint, parts, state,
-                                          lease, created, expires, sealed, members,
-                                          first_sent, n)
-              ORDER BY n
-             ON CONFLICT (tenant, key_hash, route) DO NOTHING
-             RETURNING tenant, key_hash, route",
-        )
-        .lock_wait(self.lock_wait);
-        let columns = rows.iter().fold(Columns::default(), |columns, r| {
-            bind_record(columns.row(), r)
-        });
-        // A value PostgreSQL cannot take (a NUL in a text) sends nothing: each alone says whose.
-        let inserted = match columns.bind_to(insert) {
-            Ok(insert) => insert.fetch_all(&self.pool).await.ok().map(group::returned),
-            Err(_) => None,
-        };
+impl PgStore {
+    /// Sends `statements` (each returning the keys it wrote) in one message, after the
+    /// lock wait: one implicit transaction, autocommitted. The keys each statement returned.
+    async fn write_statements(
+        &self,
+        statements: &[String],
+    ) -> Result<Vec<HashSet<RecordId>>, sqlx::Error> {
+        let lock_wait = literal::lock_wait(self.lock_wait);
+        // The `SET LOCAL` of the lock wait ends a statement of its own first.
+        let skip = usize::from(!lock_wait.is_empty());
+        let message = lock_wait + &statements.join("; ");
+        let results: Vec<Either<_, PgRow>> = sqlx::raw_sql(AssertSqlSafe(message))
+            .fetch_many(&self.pool)
+            .try_collect()
+            .await?;
+        let mut written = vec![Vec::new(); statements.len()];
+        let mut statement: usize = 0;
+        for result in results {
+            match result {
+                Either::Left(_) => statement += 1,
+                Either::Right(row) => match statement.checked_sub(skip) {
+                    Some(i) if i < written.len() => written[i].push(FromRow::from_row(&row)?),
+                    _ => {
+                        return Err(sqlx::Error::Protocol(
+                            "a row from a statement that returns none".into(),
+                        ));
+                    }
+                },
+            }
+        }
+        Ok(written.into_iter().map(group::returned).collect())
+    }
+
+    /// `records` answered from what their group's `INSERT` returned ([`Inserted::Owned`]
+    /// for the rows it inserted, [`Inserted::Conflict`] for the keys it found taken: the
+    /// protocol reads those records). `None`, the statement failed: nobody can tell whose
+    /// row failed it, and each reservation is made again alone, which is safe whether or not
+    /// the group committed (a reservation that finds its own row is answered as any claim
+    /// that finds a record in flight).
+    async fn reservations_answered(
+        &self,
+        records: &[NewRecord],
+        in_group: &[bool],
+        inserted: Option<&HashSet<RecordId>>,
+    ) -> Vec<Result<Inserted, StoreError>> {
         let from_group = |record: &NewRecord| {
-            let inserted = inserted.as_ref()?;
-            Some(Ok(if inserted.contains(&record.id) {
+            Some(Ok(if inserted?.contains(&record.id) {
                 Inserted::Owned
             } else {
                 Inserted::Conflict
             }))
         };
-        group::answer_each(&records, &in_group, from_group, |r| self.insert_alone(r)).await
+        group::answer_each(records, in_group, from_group, |r| self.insert_alone(r)).await
     }
 
-    /// One `UPDATE` of every row (autocommit), each answered as
-    /// [`complete`](idemkey_core::Store::complete) would be: `true` where the row still carried the
-    /// owner's token. If the statement failed with an answer from the server (nothing was
-    /// committed), each is written again alone, so that each gets its own answer; if the
-    /// connection was lost, the group may or may not have committed, and each gets that
+    /// `group` answered from what its `UPDATE` returned: `true` where the row still carried
+    /// the owner's token. If the statement failed with an answer from the server (nothing
+    /// was committed), each is written again alone, so that each gets its own answer; if
+    /// the connection was lost, the group may or may not have committed, and each gets that
     /// error, as a completion alone would.
+    async fn completions_answered(
+        &self,
+        group: &[Completion],
+        in_group: &[bool],
+        completed: Result<&HashSet<RecordId>, &sqlx::Error>,
+    ) -> Vec<Result<bool, StoreError>> {
+        let written = in_group.iter().filter(|&&in_group| in_group).count();
+        let from_group = |c: &Completion| match completed {
+            Ok(completed) => Some(Ok(completed.contains(&c.id))),
+            Err(e) if is_connection_lost(e) => Some(Err(StoreError::Unavailable(Box::new(
+                std::io::Error::other(format!(
+                    "the connection was lost while {written} completions were committed together: {e}"
+                )),
+            )))),
+            Err(_) => None,
+        };
+        group::answer_each(group, in_group, from_group, |c| self.complete_alone(c)).await
+    }
+}
+
+impl GroupWriter for PgStore {
+    /// One `INSERT` of every row (autocommit).
+    async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
+        let (rows, in_group) = group::plan(&records, |r| &r.id);
+        // A value PostgreSQL cannot take (a NUL in a text) sends nothing: each alone says whose.
+        let inserted = match reservation_rows(&rows) {
+            Ok(insert) => self.write_statements(&[insert]).await.ok(),
+            Err(_) => None,
+        };
+        let inserted = inserted.as_ref().map(|written| &written[0]);
+        self.reservations_answered(&records, &in_group, inserted)
+            .await
+    }
+
+    /// One `UPDATE` of every row (autocommit).
     ///
     /// The rows go as literal `VALUES` in a simple query, not as bound arrays to a
     /// prepared statement: the `UPDATE` joins them to `idemkey_records`, and a prepared
@@ -93,27 +168,51 @@ impl GroupWriter for PgStore {
     /// as they are, the join looks each row up by its primary key.
     async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
         let (rows, in_group) = group::plan(&group, |c| &c.id);
-        let alone = |c| self.complete_alone(c);
-        let Ok(sql) = completion_rows(&rows) else {
+        let Ok(update) = completion_rows(&rows) else {
             // A value PostgreSQL cannot take (a NUL in a text): each alone says whose.
-            return group::answer_each(&group, &in_group, |_| None, alone).await;
+            return group::answer_each(&group, &in_group, |_| None, |c| self.complete_alone(c))
+                .await;
         };
-        let sql = literal::lock_wait(self.lock_wait) + &sql;
-        let completed = sqlx::raw_sql(AssertSqlSafe(sql))
-            .fetch_all(&self.pool)
+        let completed = self.write_statements(&[update]).await;
+        let completed = completed.as_ref().map(|written| &written[0]);
+        self.completions_answered(&group, &in_group, completed)
             .await
-            .and_then(|rows| rows.iter().map(FromRow::from_row).collect())
-            .map(group::returned);
-        let written = rows.len();
-        let from_group = |c: &Completion| match &completed {
-            Ok(completed) => Some(Ok(completed.contains(&c.id))),
-            Err(e) if is_connection_lost(e) => Some(Err(StoreError::Unavailable(Box::new(
-                std::io::Error::other(format!(
-                    "the connection was lost while {written} completions were committed together: {e}"
-                )),
-            )))),
-            Err(_) => None,
+    }
+
+    /// Both kinds in one message: the `INSERT`, then the `UPDATE`, in one implicit
+    /// transaction, so one commit for the group. If it fails, each kind is answered as its
+    /// own statement's failure would be (neither committed).
+    async fn write_groups(
+        &self,
+        records: Vec<NewRecord>,
+        completions: Vec<Completion>,
+    ) -> GroupAnswers {
+        if records.is_empty() || completions.is_empty() {
+            return (
+                group::reserve(self, records).await,
+                group::complete(self, completions).await,
+            );
+        }
+        let (reservations, reserved) = group::plan(&records, |r| &r.id);
+        let (rows, completing) = group::plan(&completions, |c| &c.id);
+        let (Ok(insert), Ok(update)) = (reservation_rows(&reservations), completion_rows(&rows))
+        else {
+            // A value PostgreSQL cannot take: each kind on its own says whose.
+            return (
+                self.insert_group(records).await,
+                self.complete_group(completions).await,
+            );
         };
-        group::answer_each(&group, &in_group, from_group, alone).await
+        let written = self.write_statements(&[insert, update]).await;
+        let (inserted, completed) = match &written {
+            Ok(written) => (Some(&written[0]), Ok(&written[1])),
+            Err(e) => (None, Err(e)),
+        };
+        (
+            self.reservations_answered(&records, &reserved, inserted)
+                .await,
+            self.completions_answered(&completions, &completing, completed)
+                .await,
+        )
     }
 }

@@ -326,8 +326,6 @@ impl<T: Literal> Literal for Array<T> {
 /// `query` takes it, sent as one simple-query message with the values written in
 /// ([`Literal`]). The rows come back in text format, which sqlx decodes as it does binary.
 pub(crate) struct Statement {
-    /// Statements sent before it in the same message (see [`Statement::lock_wait`]).
-    before: String,
     sql: &'static str,
     values: Vec<String>,
     refused: Option<StoreError>,
@@ -348,7 +346,6 @@ pub(crate) struct StatementScalar<T> {
 /// `sql` with its values to come ([`Statement::bind`]).
 pub(crate) fn query(sql: &'static str) -> Statement {
     Statement {
-        before: String::new(),
         sql,
         values: Vec::new(),
         refused: None,
@@ -386,21 +383,14 @@ impl Statement {
         self
     }
 
-    /// Outside a transaction: makes the statement wait at most `wait` for a lock (then
-    /// fail with SQLSTATE 55P03). The message is one implicit transaction, so a
-    /// `SET LOCAL` sent first in it holds for the statement, and for nothing after it.
-    pub(crate) fn lock_wait(mut self, wait: Option<Duration>) -> Self {
-        self.before = lock_wait(wait);
-        self
-    }
-
     /// The statement's text, each `$n` replaced by its value.
-    fn text(self) -> Result<String, sqlx::Error> {
+    pub(crate) fn text(self) -> Result<String, sqlx::Error> {
         if let Some(refused) = self.refused {
             return Err(sqlx::Error::Encode(Box::new(refused)));
         }
-        let mut text = self.before;
-        text.reserve(self.sql.len() + self.values.iter().map(String::len).sum::<usize>());
+        let mut text = String::with_capacity(
+            self.sql.len() + self.values.iter().map(String::len).sum::<usize>(),
+        );
         let mut rest = self.sql;
         while let Some(at) = rest.find('$') {
             text.push_str(&rest[..at]);
@@ -461,11 +451,6 @@ impl Statement {
 impl<T: for<'r> FromRow<'r, PgRow>> StatementAs<T> {
     pub(crate) fn bind(mut self, value: impl Literal) -> Self {
         self.statement = self.statement.bind(value);
-        self
-    }
-
-    pub(crate) fn lock_wait(mut self, wait: Option<Duration>) -> Self {
-        self.statement = self.statement.lock_wait(wait);
         self
     }
 

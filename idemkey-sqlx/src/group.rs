@@ -1,22 +1,23 @@
 //! Group commit for the sqlx stores: concurrent external-mode writes that commit on their
-//! own share one statement.
+//! own share one statement of each kind, and on PostgreSQL one transaction.
 //!
 //! External mode makes two such writes per request (the reservation,
 //! [`Store::insert_autocommit`], and the completion, [`Store::complete_autocommit`]). Each
 //! alone is a transaction of one row: PostgreSQL spends most of its time on what every
-//! commit costs (a round trip, the commit record, waking the committer), SQLite on handing
-//! the statement to its worker thread and back. A [`GroupedWrites`] queues the writes that arrive
-//! while earlier ones are being written, and the next writer takes all of them (up to
-//! [`MAX_GROUP`]) into one statement. Nobody is answered before the statement that holds
+//! commit costs (a round trip, planning, the commit record, waking the committer), SQLite
+//! on handing the statement to its worker thread and back. A [`GroupedWrites`] queues the
+//! writes that arrive while earlier ones are being written, and the next group takes all of
+//! them (up to [`MAX_GROUP`]), reservations and completions together: one statement of each
+//! kind ([`GroupWriter::write_groups`]). Nobody is answered before the statement that holds
 //! their row committed, so every answer is as durable as a write of its own. A write that
 //! finds nothing running is sent at once, alone, as before.
 //!
-//! A store implements [`GroupWriter`] (its two grouped statements) and keeps a
-//! [`GroupedWrites`]; [`plan`] and [`answer_each`] are the parts of a grouped statement
-//! that do not depend on its SQL: which rows go in it, in which order, and which writer gets
-//! which answer.
+//! A store implements [`GroupWriter`] (its two grouped statements, and how it sends them
+//! together) and keeps a [`GroupedWrites`]; [`plan`] and [`answer_each`] are the parts of a
+//! grouped statement that do not depend on its SQL: which rows go in it, in which order,
+//! and which writer gets which answer.
 //!
-//! The writers run on tasks of their own: a request that is dropped while its write is in a
+//! The writer runs on a task of its own: a request that is dropped while its write is in a
 //! group does not cut short the others' transaction.
 
 use std::collections::HashSet;
@@ -87,52 +88,100 @@ pub trait GroupWriter: Store {
         &self,
         completions: Vec<Completion>,
     ) -> impl Future<Output = Vec<Result<bool, StoreError>>> + Send;
+
+    /// The reservations and completions of one group, each kind answered in order as
+    /// [`reserve`] and [`complete`] answer it. By default each kind is written on its own,
+    /// the reservations first; a store may write both in one transaction, which is the
+    /// same as writing them one after the other.
+    fn write_groups(
+        &self,
+        records: Vec<NewRecord>,
+        completions: Vec<Completion>,
+    ) -> impl Future<Output = GroupAnswers> + Send {
+        async move {
+            (
+                reserve(self, records).await,
+                complete(self, completions).await,
+            )
+        }
+    }
 }
 
-/// A store's queues of external-mode writes: one for reservations, one for completions.
+/// The answers to a group's reservations and to its completions, each in order.
+pub type GroupAnswers = (
+    Vec<Result<Inserted, StoreError>>,
+    Vec<Result<bool, StoreError>>,
+);
+
+/// A write waiting for its group.
+#[derive(Debug)]
+enum Write {
+    Reserve(NewRecord),
+    Complete(Completion),
+}
+
+/// A write's answer.
+#[derive(Debug)]
+enum Answer {
+    Reserved(Result<Inserted, StoreError>),
+    Completed(Result<bool, StoreError>),
+}
+
+/// Reservations (`0` or `1` of them: alone) as [`Store::insert_autocommit`] answers them.
+pub async fn reserve<S: GroupWriter>(
+    store: &S,
+    records: Vec<NewRecord>,
+) -> Vec<Result<Inserted, StoreError>> {
+    match &records[..] {
+        [] => Vec::new(),
+        [record] => vec![store.insert_alone(record).await],
+        _ => store.insert_group(records).await,
+    }
+}
+
+/// Completions (`0` or `1` of them: alone) as [`Store::complete_autocommit`] answers them.
+pub async fn complete<S: GroupWriter>(
+    store: &S,
+    completions: Vec<Completion>,
+) -> Vec<Result<bool, StoreError>> {
+    match &completions[..] {
+        [] => Vec::new(),
+        [c] => vec![store.complete_alone(c).await],
+        _ => store.complete_group(completions).await,
+    }
+}
+
+/// A store's queue of external-mode writes, reservations and completions together.
 #[derive(Debug, Clone)]
 pub struct GroupedWrites {
-    reservations: Arc<Group<NewRecord, Result<Inserted, StoreError>>>,
-    completions: Arc<Group<Completion, Result<bool, StoreError>>>,
+    writes: Arc<Group<Write, Answer>>,
 }
 
 impl Default for GroupedWrites {
-    /// Queues whose groups of each kind are written one at a time; the writes that arrive
-    /// meanwhile wait for the next group. A second group in flight would only split them
-    /// into more commits (docs/decisions.md, "Concurrent external-mode writes are committed
-    /// in groups").
+    /// A queue whose groups are written one at a time; the writes that arrive meanwhile wait
+    /// for the next group. A second group in flight would only split them into more commits
+    /// (docs/decisions.md, "Concurrent external-mode writes are committed in groups").
     fn default() -> Self {
         Self {
-            reservations: Arc::new(Group::new()),
-            completions: Arc::new(Group::new()),
+            writes: Arc::new(Group::new()),
         }
     }
 }
 
 impl GroupedWrites {
-    /// [`Store::insert_autocommit`], grouped by `store`'s [`GroupWriter::insert_group`].
+    /// [`Store::insert_autocommit`], grouped by `store`'s [`GroupWriter::write_groups`].
     pub async fn insert<S: GroupWriter>(
         &self,
         store: &S,
         record: &NewRecord,
     ) -> Result<Inserted, StoreError> {
-        let store = store.clone();
-        let write = move |records: Vec<NewRecord>| {
-            let store = store.clone();
-            async move {
-                match &records[..] {
-                    [record] => vec![store.insert_alone(record).await],
-                    _ => store.insert_group(records).await,
-                }
-            }
-        };
-        self.reservations
-            .submit(record.clone(), write)
-            .await
-            .unwrap_or_else(|| Err(unanswered()))
+        match self.submit(store, Write::Reserve(record.clone())).await {
+            Some(Answer::Reserved(answer)) => answer,
+            _ => Err(unanswered()),
+        }
     }
 
-    /// [`Store::complete_autocommit`], grouped by `store`'s [`GroupWriter::complete_group`].
+    /// [`Store::complete_autocommit`], grouped by `store`'s [`GroupWriter::write_groups`].
     pub async fn complete<S: GroupWriter>(
         &self,
         store: &S,
@@ -147,20 +196,50 @@ impl GroupedWrites {
             response: response.clone(),
             now,
         };
+        match self.submit(store, Write::Complete(completion)).await {
+            Some(Answer::Completed(answer)) => answer,
+            _ => Err(unanswered()),
+        }
+    }
+
+    /// Queues `write` for the next group. The writer splits a group by kind, has the store
+    /// write both ([`GroupWriter::write_groups`]), and hands each write its kind's answer in
+    /// order.
+    async fn submit<S: GroupWriter>(&self, store: &S, write: Write) -> Option<Answer> {
         let store = store.clone();
-        let write = move |completions: Vec<Completion>| {
+        let write_group = move |writes: Vec<Write>| {
             let store = store.clone();
             async move {
-                match &completions[..] {
-                    [c] => vec![store.complete_alone(c).await],
-                    _ => store.complete_group(completions).await,
-                }
+                let mut records = Vec::new();
+                let mut completions = Vec::new();
+                let kinds: Vec<bool> = writes
+                    .into_iter()
+                    .map(|write| match write {
+                        Write::Reserve(record) => {
+                            records.push(record);
+                            true
+                        }
+                        Write::Complete(completion) => {
+                            completions.push(completion);
+                            false
+                        }
+                    })
+                    .collect();
+                let (reserved, completed) = store.write_groups(records, completions).await;
+                let (mut reserved, mut completed) = (reserved.into_iter(), completed.into_iter());
+                kinds
+                    .into_iter()
+                    .map(|reserve| {
+                        if reserve {
+                            Answer::Reserved(reserved.next().unwrap_or_else(|| Err(unanswered())))
+                        } else {
+                            Answer::Completed(completed.next().unwrap_or_else(|| Err(unanswered())))
+                        }
+                    })
+                    .collect()
             }
         };
-        self.completions
-            .submit(completion, write)
-            .await
-            .unwrap_or_else(|| Err(unanswered()))
+        self.writes.submit(write, write_group).await
     }
 }
 

@@ -426,3 +426,79 @@ async fn a_failed_group_answers_each_reservation_alone() {
             .expect("reserve");
     assert!(matches!(again, ClaimOutcome::Owned { .. }), "{again:?}");
 }
+
+/// A group of reservations and completions goes in one message, one transaction: each
+/// write is answered as its kind's group answers it (an owner's completion `true`, a stale
+/// one `false`, a new key owned, a taken one a conflict). If that transaction fails (one of
+/// its keys is held by an uncommitted claim past the lock time-out), neither kind committed,
+/// and each write is answered alone: the held key busy, the rest as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_of_both_kinds_commits_once_and_fails_whole() {
+    let (store, _) = migrated_store_with(("lock_timeout", "200ms")).await;
+    let now = Timestamp::now();
+    let new = |key: &str| reservation(key, now);
+    let done = |key: &str, token: i64| Completion {
+        id: claim(key, now).id,
+        token,
+        response: response("{\"done\":true}"),
+        now,
+    };
+    let owned = store
+        .insert_group(vec![new("a"), new("b"), new("c"), new("d")])
+        .await;
+    assert!(
+        owned.iter().all(|r| matches!(r, Ok(Inserted::Owned))),
+        "{owned:?}"
+    );
+
+    let (reserved, completed) = store
+        .write_groups(vec![new("e"), new("a")], vec![done("a", 1), done("b", 7)])
+        .await;
+    assert!(
+        matches!(reserved[..], [Ok(Inserted::Owned), Ok(Inserted::Conflict)]),
+        "{reserved:?}"
+    );
+    assert!(
+        matches!(completed[..], [Ok(true), Ok(false)]),
+        "{completed:?}"
+    );
+
+    let (holder, _) = begin_owned(&store, &claim("held", now)).await;
+    let (reserved, completed) = store
+        .write_groups(vec![new("f"), new("held")], vec![done("c", 1)])
+        .await;
+    assert!(
+        matches!(
+            reserved[..],
+            [Ok(Inserted::Owned), Err(StoreError::Busy(_))]
+        ),
+        "{reserved:?}"
+    );
+    assert!(matches!(completed[..], [Ok(true)]), "{completed:?}");
+    holder.rollback().await.expect("rollback");
+
+    let mut conn = store.acquire().await.expect("connection");
+    for (key, state) in [
+        ("a", RecordState::Completed),
+        ("b", RecordState::Executing),
+        ("c", RecordState::Completed),
+        ("d", RecordState::Executing),
+        ("e", RecordState::Executing),
+        ("f", RecordState::Executing),
+    ] {
+        let record = store
+            .fetch(&mut conn, &claim(key, now).id)
+            .await
+            .expect("fetch")
+            .expect("record");
+        assert_eq!(record.state, state, "{key}");
+    }
+    assert!(
+        store
+            .fetch(&mut conn, &claim("held", now).id)
+            .await
+            .expect("fetch")
+            .is_none(),
+        "the held key's claim rolled back"
+    );
+}

@@ -250,12 +250,12 @@ pub async fn reservation_marked_at_the_point_of_no_return<H: Harness>(h: H) {
 
 /// External mode under a race, as the gateway makes it: 50 keys × 4 concurrent
 /// reservations (each claimant with a body of its own; the losers are answered in flight or
-/// mismatched), then every owner's completion beside
-/// a stale one per key, all at once. A store may commit such concurrent writes together
-/// ([`Store::insert_autocommit`], [`Store::complete_autocommit`]); each must still be
-/// answered as if written alone: one owner per key, whose own record was stored; every
-/// stale completion refused; every owner's outcome replayed to its own body, and a
-/// mismatch to the others.
+/// mismatched), then every owner's completion beside a stale one per key and the
+/// reservations of 50 more keys × 4, all at once. A store may commit such concurrent writes
+/// together, reservations and completions in one group ([`Store::insert_autocommit`],
+/// [`Store::complete_autocommit`]); each must still be answered as if written alone: one
+/// owner per key, whose own record was stored; every stale completion refused; every
+/// owner's outcome replayed to its own body, and a mismatch to the others.
 pub async fn concurrent_reservations_and_completions_answer_each_writer<H: Harness>(h: H) {
     const KEYS: usize = 50;
     const CLAIMANTS: u8 = 4;
@@ -264,47 +264,58 @@ pub async fn concurrent_reservations_and_completions_answer_each_writer<H: Harne
     let now = Timestamp::now();
     let id = |k: usize| record_id("t1", "/v1/transfers", &format!("race-{k}"));
 
-    let barrier = Arc::new(Barrier::new(KEYS * usize::from(CLAIMANTS)));
-    let mut tasks = Vec::new();
-    for k in 0..KEYS {
-        for body in 1..=CLAIMANTS {
-            let (store, barrier, claim) =
-                (store.clone(), barrier.clone(), claim_at(&id(k), body, now));
-            tasks.push(tokio::spawn(async move {
-                barrier.wait().await;
-                let outcome = protocol::reserve_at_point_of_no_return(&store, &claim, lease)
-                    .await
-                    .expect("reserve");
-                (k, body, outcome)
-            }));
-        }
-    }
-    let mut owners: HashMap<usize, (u8, i64)> = HashMap::new();
-    for task in tasks {
-        match task.await.expect("task") {
-            (k, body, ClaimOutcome::Owned { token, .. }) => {
-                assert!(
-                    owners.insert(k, (body, token)).is_none(),
-                    "key {k} owned twice"
-                );
+    // Every claimant of keys `keys` reserves once `barrier` lets it.
+    let race = |keys: std::ops::Range<usize>, barrier: Arc<Barrier>| {
+        let mut tasks = Vec::new();
+        for k in keys {
+            for body in 1..=CLAIMANTS {
+                let (store, barrier, claim) =
+                    (store.clone(), barrier.clone(), claim_at(&id(k), body, now));
+                tasks.push(tokio::spawn(async move {
+                    barrier.wait().await;
+                    let outcome = protocol::reserve_at_point_of_no_return(&store, &claim, lease)
+                        .await
+                        .expect("reserve");
+                    (k, body, outcome)
+                }));
             }
-            // The owner's record answers another body with a mismatch.
-            (_, _, ClaimOutcome::InFlight { .. } | ClaimOutcome::Mismatch { .. }) => {}
-            (_, _, other) => panic!("a reserved key is not the others': {other:?}"),
         }
-    }
-    assert_eq!(owners.len(), KEYS, "every key has its owner");
-    for (&k, &(body, _)) in &owners {
-        let record = fetch(&h, &id(k)).await.expect("record");
-        assert_eq!(record.state, RecordState::Executing);
-        assert_eq!(
-            record.fingerprint,
-            fp(body),
-            "key {k} holds its owner's record"
-        );
-    }
+        tasks
+    };
+    // One owner per key, holding its own record.
+    let owners_of = async |tasks: Vec<tokio::task::JoinHandle<(usize, u8, ClaimOutcome)>>| {
+        let mut owners: HashMap<usize, (u8, i64)> = HashMap::new();
+        for task in tasks {
+            match task.await.expect("task") {
+                (k, body, ClaimOutcome::Owned { token, .. }) => {
+                    assert!(
+                        owners.insert(k, (body, token)).is_none(),
+                        "key {k} owned twice"
+                    );
+                }
+                // The owner's record answers another body with a mismatch.
+                (_, _, ClaimOutcome::InFlight { .. } | ClaimOutcome::Mismatch { .. }) => {}
+                (_, _, other) => panic!("a reserved key is not the others': {other:?}"),
+            }
+        }
+        assert_eq!(owners.len(), KEYS, "every key has its owner");
+        for (&k, &(body, _)) in &owners {
+            let record = fetch(&h, &id(k)).await.expect("record");
+            assert_eq!(record.state, RecordState::Executing);
+            assert_eq!(
+                record.fingerprint,
+                fp(body),
+                "key {k} holds its owner's record"
+            );
+        }
+        owners
+    };
+    let claimants = KEYS * usize::from(CLAIMANTS);
+    let owners = owners_of(race(0..KEYS, Arc::new(Barrier::new(claimants)))).await;
 
-    let barrier = Arc::new(Barrier::new(2 * KEYS));
+    // The owners complete, each beside a stale completion, while 50 more keys are raced.
+    let barrier = Arc::new(Barrier::new(2 * KEYS + claimants));
+    let more = race(KEYS..2 * KEYS, barrier.clone());
     let mut tasks = Vec::new();
     for (&k, &(_, token)) in &owners {
         for stale in [false, true] {
@@ -327,6 +338,7 @@ pub async fn concurrent_reservations_and_completions_answer_each_writer<H: Harne
             ),
         }
     }
+    owners_of(more).await;
     for (&k, &(body, _)) in &owners {
         let replay = protocol::reserve_at_point_of_no_return(
             &store,
