@@ -18,18 +18,20 @@
 #             ROLLBACK  (pgbench's simple protocol, values as literals; the ROLLBACK ends
 #             the empty transaction COMMIT; BEGIN leaves, as PgStore's queued one does.
 #             PgStore EXECUTEs prepared statements with literal arguments, which spares it
-#             the planning this pays)
+#             the planning this pays. The payment too goes unprepared here, where serve
+#             prepares it: wire and wire_execute cost more than serve's messages)
 #   wire_execute  wire with PgStore's prepared statements: PREPAREd once per connection,
 #             then EXECUTEd with literal arguments in the same messages (what PgStore sends)
 #   wire_prepared  wire's statements prepared and pipelined by pgbench (extended protocol,
 #             bound values): what wire's extra BEGIN and ROLLBACK cost, apart from literals
 #   external  the gateway's two durable writes, one record each: the claim's INSERT | the
 #             completing UPDATE, each committed alone (no payment: the effect is upstream's)
-#   external_grouped  the same writes as the gateway groups them: 2 clients (one group of
-#             each kind at a time), GROUP records (default 16) a statement, the INSERT's rows
-#             from generate_series, the UPDATE's as literal VALUES joined to the table
-#             (idemkey-postgres/src/group.rs); simple protocol, planned each time, as the
-#             gateway's completion is
+#   external_grouped  (only when named in VARIANTS) the same writes as the gateway groups
+#             them on PostgreSQL: one client (one group at a time), each group one message,
+#             one transaction: the INSERT of GROUP new records (default 16; rows from
+#             generate_series) and the completing UPDATE of the GROUP before (literal VALUES
+#             joined to the table), as idemkey-postgres/src/group.rs sends them; simple
+#             protocol, planned each time, as the gateway's are
 #
 # "|" separates round trips; "+" statements sent in one flight (pgbench's pipeline). The
 # statements mirror the store's and the server's SQL (idemkey-postgres/src/store.rs and
@@ -142,7 +144,10 @@ script() { # $1 = variant
       flight "${EXECUTE_COMPLETE%;}\; COMMIT\; BEGIN\; ROLLBACK;" ;;
     wire_prepared) flight "BEGIN;" "$CLAIM"; flight "$PAYMENT"; flight "$COMPLETE" "COMMIT;" "BEGIN;" "ROLLBACK;" ;;
     external) flight "$CLAIM"; flight "$COMPLETE" ;;
-    external_grouped) flight "$GROUP_CLAIM"; flight "$GROUP_COMPLETE" ;;
+    external_grouped)
+      # the keys of this group are completed by the next one (the first completes none)
+      echo '\if :prepared = 0'; echo '\set previous 0'; echo '\set prepared 1'; echo '\endif'
+      flight "${GROUP_CLAIM%;}\; ${GROUP_COMPLETE//:k/:previous}"; echo '\set previous :k' ;;
   esac
 }
 read -r -a VARIANTS <<<"${VARIANTS:-baseline claim deferred floor wire wire_execute wire_prepared external}"
@@ -156,8 +161,8 @@ for r in $(seq "$ROUNDS"); do
     before=$(pg_ticks)
     mode=prepared clients=$CLIENTS per=1
     case $v in wire | wire_execute) mode=simple ;; esac
-    # the gateway's writer: one group of each kind at a time, GROUP requests a transaction
-    [ "$v" = external_grouped ] && { mode=simple clients=2 per=$GROUP; }
+    # the gateway's writer: one group at a time, GROUP requests a transaction
+    [ "$v" = external_grouped ] && { mode=simple clients=1 per=$GROUP; }
     out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -n -M "$mode" -D prepared=0 \
       -c "$clients" -j 2 -T "$SECONDS_EACH" -f "$WORK/$v.sql" postgres 2>&1) || {
       echo "$out" >&2
