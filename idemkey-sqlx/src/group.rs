@@ -127,7 +127,8 @@ enum Answer {
     Completed(Result<bool, StoreError>),
 }
 
-/// Reservations (`0` or `1` of them: alone) as [`Store::insert_autocommit`] answers them.
+/// Reservations, each answered as [`Store::insert_autocommit`] answers it: one alone, more
+/// as a group.
 pub async fn reserve<S: GroupWriter>(
     store: &S,
     records: Vec<NewRecord>,
@@ -139,7 +140,8 @@ pub async fn reserve<S: GroupWriter>(
     }
 }
 
-/// Completions (`0` or `1` of them: alone) as [`Store::complete_autocommit`] answers them.
+/// Completions, each answered as [`Store::complete_autocommit`] answers it: one alone, more
+/// as a group.
 pub async fn complete<S: GroupWriter>(
     store: &S,
     completions: Vec<Completion>,
