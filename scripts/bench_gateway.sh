@@ -96,14 +96,10 @@ proxy() { # idempotent-proxy ($PROXY) and a throwaway Redis (no persistence), be
 }
 
 one() { # $1 = store, $2 = before|after, $3 = round
-  local label=$1 bin=$BIN db
+  local label=$1 bin=$BIN
   [ "$2" = before ] && { label=$1-before; bin=$BEFORE; }
-  if [ "$1" = sqlite ]; then
-    run "$label" "$bin" "sqlite:$WORK/$2-$3.db"
-  else
-    "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "$2_$3"
-    run "$label" "$bin" "postgres://postgres@127.0.0.1:$PGPORT/$2_$3" --database-pid "$PG_PID"
-  fi
+  bench_database "$1" "$2_$3"
+  run "$label" "$bin" "$DB_URL" "${DB_ARGS[@]}"
 }
 
 # With BEFORE, the two builds alternate which runs first (the first run of a pair tends to be

@@ -32,16 +32,9 @@ work_dir overhead
 work_copy_of "$BINARY"
 command -v wrk >/dev/null || { echo "wrk is not installed (apt-get install wrk)" >&2; exit 1; }
 
-db_pid=()
-if [ "$STORE" = postgres ]; then
-  start_pg
-  "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres overhead
-  url="postgres://postgres@127.0.0.1:$PGPORT/overhead"
-  db_pid=(--database-pid "$PG_PID")
-else
-  url="sqlite:$WORK/overhead.db"
-fi
-bench_serve "$url" "$BIN"
+if [ "$STORE" = postgres ]; then start_pg; fi
+bench_database "$STORE" overhead
+bench_serve "$DB_URL" "$BIN"
 pid=$SERVER_PID
 
 server_ticks() { # user + system clock ticks of the server so far (all its threads)
@@ -85,7 +78,7 @@ if [ "${BENCH:-1}" = 1 ]; then
   for round in $(seq "$ROUNDS"); do
     "$BIN" bench --url "$SERVER_URL" --token tok_bench --mode fresh \
       --requests "$REQUESTS" --concurrency "$CONNECTIONS" --duration 120s \
-      --server-pid "$pid" "${db_pid[@]}" --json >"$WORK/bench-$round.json"
+      --server-pid "$pid" "${DB_ARGS[@]}" --json >"$WORK/bench-$round.json"
     python3 - "$WORK/bench-$round.json" "$round" "$STORE" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))

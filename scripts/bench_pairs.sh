@@ -40,20 +40,14 @@ switches() { # $1 = pid: context switches of all its threads so far
 }
 
 run() { # $1 = label, $2 = binary
-  local pid before url db_pid=()
-  if [ "$STORE" = postgres ]; then
-    "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "${1//-/_}"
-    url="postgres://postgres@127.0.0.1:$PGPORT/${1//-/_}"
-    db_pid=(--database-pid "$PG_PID")
-  else
-    url="sqlite:$WORK/$1.db"
-  fi
-  bench_serve "$url" "$2"
+  local pid before
+  bench_database "$STORE" "${1//-/_}"
+  bench_serve "$DB_URL" "$2"
   pid=$SERVER_PID
   before=$(switches "$pid")
   "$AFTER" bench --url "$SERVER_URL" --token tok_bench --mode "$MODE" \
     --requests "$REQUESTS" --concurrency "$CONCURRENCY" --duration 120s \
-    --server-pid "$pid" "${db_pid[@]}" --json >"$OUT/pairs-$1.json"
+    --server-pid "$pid" "${DB_ARGS[@]}" --json >"$OUT/pairs-$1.json"
   echo "$(($(switches "$pid") - before))" >"$OUT/pairs-$1.switches"
   kill "$pid"
   wait "$pid" 2>/dev/null || true

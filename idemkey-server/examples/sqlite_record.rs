@@ -27,18 +27,9 @@
 
 use std::time::Instant;
 
+use idemkey_server::AppDb;
+use idemkey_sqlite::RusqliteStore;
 use idemkey_sqlite::rusqlite::{self, Connection, params};
-
-const MIGRATIONS: &[&str] = &[
-    include_str!("../../idemkey-sqlite/migrations/0001_records.sql"),
-    include_str!("../../idemkey-sqlite/migrations/0002_external.sql"),
-    include_str!("../../idemkey-sqlite/migrations/0003_fingerprint_members.sql"),
-    include_str!("../../idemkey-sqlite/migrations/0004_evictions.sql"),
-    include_str!("../../idemkey-sqlite/migrations/0005_outbox.sql"),
-    include_str!("../../idemkey-sqlite/migrations/0006_first_sent.sql"),
-    include_str!("../migrations/sqlite/0001_payments.sql"),
-    include_str!("../migrations/sqlite/0002_payment_reference.sql"),
-];
 
 const PAYMENT: &str = "INSERT INTO payments
     (id, tenant, amount, currency, customer, description, status, created_at, reference)
@@ -89,14 +80,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let transactions: u64 = args.next().map_or(Ok(20_000), |a| a.parse())?;
     let group: u64 = args.next().map_or(Ok(1), |a| a.parse())?;
     let dir = tempfile::tempdir()?;
-    let conn = Connection::open(dir.path().join("record.db"))?;
+    let path = dir.path().join("record.db");
+    // serve's schema, made by serve's own migrations.
+    let store = RusqliteStore::open(&path)?;
+    tokio::runtime::Runtime::new()?.block_on(store.migrate_all())?;
+    drop(store);
+    let conn = Connection::open(&path)?;
     conn.execute_batch(
         "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; PRAGMA foreign_keys = ON;
          PRAGMA wal_autocheckpoint = 0",
     )?;
-    for migration in MIGRATIONS {
-        conn.execute_batch(migration)?;
-    }
     println!(
         "{transactions} transactions a variant, {group} a commit, {rounds} rounds, one connection, one thread"
     );

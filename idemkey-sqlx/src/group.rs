@@ -212,24 +212,20 @@ impl GroupedWrites {
         let write_group = move |writes: Vec<Write>| {
             let store = store.clone();
             async move {
+                // Which writes are reservations, in order, to hand the answers back.
+                let mut reserves = Vec::with_capacity(writes.len());
                 let mut records = Vec::new();
                 let mut completions = Vec::new();
-                let kinds: Vec<bool> = writes
-                    .into_iter()
-                    .map(|write| match write {
-                        Write::Reserve(record) => {
-                            records.push(record);
-                            true
-                        }
-                        Write::Complete(completion) => {
-                            completions.push(completion);
-                            false
-                        }
-                    })
-                    .collect();
+                for write in writes {
+                    reserves.push(matches!(write, Write::Reserve(_)));
+                    match write {
+                        Write::Reserve(record) => records.push(record),
+                        Write::Complete(completion) => completions.push(completion),
+                    }
+                }
                 let (reserved, completed) = store.write_groups(records, completions).await;
                 let (mut reserved, mut completed) = (reserved.into_iter(), completed.into_iter());
-                kinds
+                reserves
                     .into_iter()
                     .map(|reserve| {
                         if reserve {

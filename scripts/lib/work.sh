@@ -15,6 +15,11 @@
 #                     port (free_port, scripts/lib/pg.sh); waits until it listens (fails
 #                     with its log if it does not) and sets SERVER_PID, SERVER_URL and
 #                     SERVER_LOG
+#   bench_database STORE NAME
+#                     a fresh database NAME for STORE (sqlite: a file in $WORK; postgres: on
+#                     the server start_pg started); sets DB_URL, and DB_ARGS to the
+#                     `idemkey bench` arguments that read its CPU (--database-pid, none for
+#                     SQLite)
 #   run_header CMD NOTE
 #                     prints the date, the machine, the commit and CMD, and how long the run
 #                     took ($took seconds, then NOTE), for a report's first lines
@@ -49,6 +54,17 @@ bench_serve() {
   until_listening "$SERVER_LOG"
   grep -qs listening "$SERVER_LOG" || { cat "$SERVER_LOG" >&2; return 1; }
   SERVER_URL="http://127.0.0.1:$port"
+}
+
+bench_database() {
+  if [ "$1" = postgres ]; then
+    "$PGBIN/createdb" -h 127.0.0.1 -p "$PGPORT" -U postgres "$2"
+    DB_URL="postgres://postgres@127.0.0.1:$PGPORT/$2"
+    DB_ARGS=(--database-pid "$PG_PID")
+  else
+    DB_URL="sqlite:$WORK/$2.db"
+    DB_ARGS=()
+  fi
 }
 
 run_header() {
