@@ -28,10 +28,9 @@
 #             completing UPDATE, each committed alone (no payment: the effect is upstream's)
 #   external_grouped  (only when named in VARIANTS) the same writes as the gateway groups
 #             them on PostgreSQL: one client (one group at a time), each group one message,
-#             one transaction: the INSERT of GROUP new records (default 16; rows from
-#             generate_series) and the completing UPDATE of the GROUP before (literal VALUES
-#             joined to the table), as idemkey-postgres/src/group.rs sends them; simple
-#             protocol, planned each time, as the gateway's are
+#             one transaction: the reservation of GROUP new records (default 16) and the
+#             completions of the GROUP before, as idemkey-postgres/src/group.rs sends them:
+#             statements prepared once per connection, EXECUTEd with literal arguments
 #
 # "|" separates round trips; "+" statements sent in one flight (pgbench's pipeline). The
 # statements mirror the store's and the server's SQL (idemkey-postgres/src/store.rs and
@@ -87,21 +86,38 @@ PAYMENT="WITH payment AS (INSERT INTO payments (id, tenant, amount, currency, cu
   INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
   SELECT id, tenant, amount, currency, created_at FROM payment;"
 
-# The gateway's grouped writes, GROUP records a statement (its two statements' shapes in
-# idemkey-postgres/src/group.rs, their rows made by generate_series here).
+# The gateway's grouped writes, GROUP records a group (the statements of
+# idemkey-postgres/src/statements.rs's PREPARE_GROUP, prepared once per connection): the
+# reservations as one EXECUTE of arrays, a column each, each completion an EXECUTE of its own.
 GROUP=${GROUP:-16}
 GKEY="int8send(:k) || int4send(g) || '\\x0102030405060708091011121314151617181920'::bytea"
-GROUP_CLAIM="INSERT INTO idemkey_records ($COLUMNS) SELECT 'bench', $GKEY, 'POST /v1/payments',
-  $B32, $PARTS, 'executing', 1, 1800000000000, 1700000000000, 1700000000000, 1700086400000,
-  $SEALED, $MEMBERS FROM generate_series(1, $GROUP) AS g ON CONFLICT DO NOTHING
+column() { # $1 = a row's value (int4send(g) numbers the row): GROUP rows' values, an array
+  local out="" g
+  for g in $(seq "$GROUP"); do out+="${1//int4send(g)/int4send($g)}, "; done
+  echo "ARRAY[${out%, }]"
+}
+GROUP_PREPARED="PREPARE ik_reserve_group (text[], bytea[], text[], bytea[], bytea[], text[],
+  bigint[], bigint[], bigint[], bytea[], bytea[], bigint[]) AS INSERT INTO idemkey_records
+  ($COLUMNS, first_sent) SELECT tenant, key_hash, route, fingerprint, parts, state, 1, lease,
+  created, created, expires, sealed, members, first_sent FROM unnest(\$1, \$2, \$3, \$4, \$5,
+  \$6, \$7, \$8, \$9, \$10, \$11, \$12) WITH ORDINALITY AS r (tenant, key_hash, route,
+  fingerprint, parts, state, lease, created, expires, sealed, members, first_sent, n)
+  ORDER BY n ON CONFLICT (tenant, key_hash, route) DO NOTHING RETURNING tenant, key_hash, route\;
+PREPARE ik_complete_row (text, bytea, text, bigint, integer, bytea, bytea, bigint) AS
+  UPDATE idemkey_records SET state = 'completed', token = token + 1, lease_expires_at = NULL,
+  response_status = \$5, response_headers = \$6, response_body = \$7, updated_at = \$8
+  WHERE tenant = \$1 AND key_hash = \$2 AND route = \$3 AND token = \$4
   RETURNING tenant, key_hash, route;"
-# the group's rows as literal VALUES joined to the table, as the gateway sends them
-GROWS=$(for g in $(seq "$GROUP"); do printf "('bench', %s, 'POST /v1/payments', 1), " "${GKEY//int4send(g)/int4send($g)}"; done)
-GROUP_COMPLETE="UPDATE idemkey_records AS r SET state = 'completed', token = r.token + 1,
-  lease_expires_at = NULL, response_status = 201, response_headers = $HEADERS,
-  response_body = $BODY, updated_at = 1700000000001 FROM (VALUES ${GROWS%, })
-  AS c (tenant, key_hash, route, token) WHERE r.tenant = c.tenant AND r.key_hash = c.key_hash
-  AND r.route = c.route AND r.token = c.token RETURNING r.tenant, r.key_hash, r.route;"
+GROUP_CLAIM="EXECUTE ik_reserve_group($(column "'bench'")::text[], $(column "$GKEY")::bytea[],
+  $(column "'POST /v1/payments'")::text[], $(column "$B32")::bytea[], $(column "$PARTS")::bytea[],
+  $(column "'executing'")::text[], $(column 1800000000000)::bigint[],
+  $(column 1700000000000)::bigint[], $(column 1700086400000)::bigint[], $(column NULL)::bytea[],
+  $(column "$MEMBERS")::bytea[], $(column NULL)::bigint[]);"
+GROUP_COMPLETE=$(for g in $(seq "$GROUP"); do
+  printf "EXECUTE ik_complete_row('bench', %s, 'POST /v1/payments', 1, 201, %s, %s, 1700000000001)\\; " \
+    "${GKEY//int4send(g)/int4send($g)}" "$HEADERS" "$BODY"
+done)
+GROUP_COMPLETE="${GROUP_COMPLETE%\\; };"
 
 # PgStore's two statements, prepared by name once per connection, as statements.rs does.
 PREPARED="PREPARE ik_claim (text, bytea, text, bytea, bytea, text, bigint, bigint, bigint,
@@ -146,7 +162,8 @@ script() { # $1 = variant
     external) flight "$CLAIM"; flight "$COMPLETE" ;;
     external_grouped)
       # the keys of this group are completed by the next one (the first completes none)
-      echo '\if :prepared = 0'; echo '\set previous 0'; echo '\set prepared 1'; echo '\endif'
+      echo '\if :prepared = 0'; echo '\set previous 0'; echo '\set prepared 1'
+      flight "$GROUP_PREPARED"; echo '\endif'
       flight "${GROUP_CLAIM%;}\; ${GROUP_COMPLETE//:k/:previous}"; echo '\set previous :k' ;;
   esac
 }

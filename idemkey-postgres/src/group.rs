@@ -11,81 +11,85 @@ use sqlx::{AssertSqlSafe, Either, FromRow};
 use crate::PgStore;
 use crate::literal::{self, Args, Columns, Sql};
 use crate::sqlstate::is_connection_lost;
-use crate::statements::{bind_completion, bind_record};
+use crate::statements::{
+    PREPARE_GROUP, PREPARE_GROUP_STATEMENTS, UNDEFINED_PREPARED, bind_completion, bind_record, code,
+};
 
-/// The grouped reservation's `INSERT`, its rows as literal arrays.
+/// The grouped reservation: the prepared `idemkey_reserve_group_v1` (`PREPARE_GROUP` in
+/// `statements.rs`) with its rows as literal arrays, a column each.
 pub(crate) fn reservation_rows(rows: &[&NewRecord]) -> Result<String, StoreError> {
-    let insert = literal::query(
-        "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
-                fingerprint_parts, state, token, lease_expires_at, created_at, updated_at,
-                expires_at, sealed_key, fingerprint_members, first_sent)
-         SELECT tenant, key_hash, route, fingerprint, parts, state, 1, lease, created,
-                created, expires, sealed, members, first_sent
-           FROM unnest($1::text[], $2::bytea[], $3::text[], $4::bytea[], $5::bytea[],
-                       $6::text[], $7::bigint[], $8::bigint[], $9::bigint[],
-                       $10::bytea[], $11::bytea[], $12::bigint[])
-                WITH ORDINALITY AS r (tenant, key_hash, route, fingerprint, parts, state,
-                                      lease, created, expires, sealed, members,
-                                      first_sent, n)
-          ORDER BY n
-         ON CONFLICT (tenant, key_hash, route) DO NOTHING
-         RETURNING tenant, key_hash, route",
+    let execute = literal::query(
+        "EXECUTE idemkey_reserve_group_v1($1::text[], $2::bytea[], $3::text[], $4::bytea[],
+                 $5::bytea[], $6::text[], $7::bigint[], $8::bigint[], $9::bigint[],
+                 $10::bytea[], $11::bytea[], $12::bigint[])",
     );
     let columns = rows.iter().fold(Columns::default(), |columns, r| {
         bind_record(columns.row(), r)
     });
     columns
-        .bind_to(insert)?
+        .bind_to(execute)?
         .text()
         .map_err(|e| StoreError::Database(Box::new(e)))
 }
 
-/// The grouped completion's `UPDATE`, its rows as literals (see
-/// [`GroupWriter::complete_group`]).
-pub(crate) fn completion_rows(rows: &[&Completion]) -> Result<String, StoreError> {
-    let mut sql = Sql::new(
-        "UPDATE idemkey_records AS r
-            SET state = 'completed', token = r.token + 1, lease_expires_at = NULL,
-                response_status = c.status, response_headers = c.headers,
-                response_body = c.body, updated_at = c.now
-           FROM (VALUES ",
-    );
-    for (i, c) in rows.iter().enumerate() {
-        sql.push(if i == 0 { "(" } else { ", (" });
-        sql = bind_completion(Args::after(sql), &c.id, c.token, &c.response, c.now).finish()?;
-        sql.push(")");
-    }
-    sql.push(
-        ") AS c (tenant, key_hash, route, token, status, headers, body, now)
-          WHERE r.tenant = c.tenant AND r.key_hash = c.key_hash AND r.route = c.route
-            AND r.token = c.token
-         RETURNING r.tenant, r.key_hash, r.route",
-    );
-    Ok(sql.finish())
+/// The grouped completion: the prepared `idemkey_complete_row_v1` (`PREPARE_GROUP` in
+/// `statements.rs`) once a row, each its own statement, each looking its row up by its
+/// primary key.
+pub(crate) fn completion_rows(rows: &[&Completion]) -> Result<Vec<String>, StoreError> {
+    rows.iter()
+        .map(|c| {
+            let start = Sql::new("EXECUTE idemkey_complete_row_v1(");
+            let mut sql =
+                bind_completion(Args::after(start), &c.id, c.token, &c.response, c.now).finish()?;
+            sql.push(")");
+            Ok(sql.finish())
+        })
+        .collect()
 }
 
 impl PgStore {
-    /// Sends `statements` (each returning the keys it wrote) in one message, after the
-    /// lock wait: one implicit transaction, autocommitted. The keys each statement returned.
+    /// Sends `kinds` of statements (each returning the keys it wrote) in one message, after
+    /// the lock wait: one implicit transaction, autocommitted. The keys each kind's
+    /// statements returned.
     async fn write_statements(
         &self,
-        statements: &[String],
+        kinds: &[Vec<String>],
     ) -> Result<Vec<HashSet<RecordId>>, sqlx::Error> {
         let lock_wait = literal::lock_wait(self.lock_wait);
+        let message = lock_wait.clone() + &kinds.concat().join("; ");
+        let kind_of: Vec<usize> = kinds
+            .iter()
+            .enumerate()
+            .flat_map(|(k, statements)| std::iter::repeat_n(k, statements.len()))
+            .collect();
         // The `SET LOCAL` of the lock wait ends a statement of its own first.
-        let skip = usize::from(!lock_wait.is_empty());
-        let message = lock_wait + &statements.join("; ");
-        let results: Vec<Either<_, PgRow>> = sqlx::raw_sql(AssertSqlSafe(message))
-            .fetch_many(&self.pool)
+        let mut skip = usize::from(!lock_wait.is_empty());
+        let mut conn = self.pool.acquire().await?;
+        let results: Vec<Either<_, PgRow>> = match sqlx::raw_sql(AssertSqlSafe(message.clone()))
+            .fetch_many(&mut *conn)
             .try_collect()
-            .await?;
-        let mut written = vec![Vec::new(); statements.len()];
+            .await
+        {
+            // A connection that has not prepared the group's statements yet (a new one, or
+            // one a pooler reset): nothing was committed; prepare them and write again.
+            Err(e) if code(&e).as_deref() == Some(UNDEFINED_PREPARED) => {
+                skip += PREPARE_GROUP_STATEMENTS;
+                sqlx::raw_sql(AssertSqlSafe(format!("{PREPARE_GROUP}; {message}")))
+                    .fetch_many(&mut *conn)
+                    .try_collect()
+                    .await?
+            }
+            results => results?,
+        };
+        let mut written = vec![Vec::new(); kinds.len()];
         let mut statement: usize = 0;
         for result in results {
             match result {
                 Either::Left(_) => statement += 1,
                 Either::Right(row) => match statement.checked_sub(skip) {
-                    Some(i) if i < written.len() => written[i].push(FromRow::from_row(&row)?),
+                    Some(i) if i < kind_of.len() => {
+                        written[kind_of[i]].push(FromRow::from_row(&row)?);
+                    }
                     _ => {
                         return Err(sqlx::Error::Protocol(
                             "a row from a statement that returns none".into(),
@@ -150,7 +154,7 @@ impl GroupWriter for PgStore {
         let (rows, in_group) = group::plan(&records, |r| &r.id);
         // A value PostgreSQL cannot take (a NUL in a text) sends nothing: each alone says whose.
         let inserted = match reservation_rows(&rows) {
-            Ok(insert) => self.write_statements(&[insert]).await.ok(),
+            Ok(insert) => self.write_statements(&[vec![insert]]).await.ok(),
             Err(_) => None,
         };
         let inserted = inserted.as_ref().map(|written| &written[0]);
@@ -158,14 +162,14 @@ impl GroupWriter for PgStore {
             .await
     }
 
-    /// One `UPDATE` of every row (autocommit).
+    /// One `UPDATE` a row, all in one message (autocommit).
     ///
-    /// The rows go as literal `VALUES` in a simple query, not as bound arrays to a
-    /// prepared statement: the `UPDATE` joins them to `idemkey_records`, and a prepared
-    /// statement's generic plan, made while the table was still small, joins by scanning
-    /// the whole table (a hash join) and stays cached on its connection until the table is
-    /// analyzed, each group then reading every record. Planned with the rows and the table
-    /// as they are, the join looks each row up by its primary key.
+    /// Not one `UPDATE` of every row joined to `idemkey_records`: a prepared join's generic
+    /// plan, made while the table was still small, scans the whole table (a hash join) and
+    /// stays cached on its connection until the table is analyzed, each group then reading
+    /// every record; and planning a join with each group costs the database more than the
+    /// rows' own statements. A row's own statement names its primary key, which any plan
+    /// looks up in the key's index.
     async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
         let (rows, in_group) = group::plan(&group, |c| &c.id);
         let Ok(update) = completion_rows(&rows) else {
@@ -179,7 +183,7 @@ impl GroupWriter for PgStore {
             .await
     }
 
-    /// Both kinds in one message: the `INSERT`, then the `UPDATE`, in one implicit
+    /// Both kinds in one message: the `INSERT`, then the `UPDATE`s, in one implicit
     /// transaction, so one commit for the group. If it fails, each kind is answered as its
     /// own statement's failure would be (neither committed).
     async fn write_groups(
@@ -203,7 +207,7 @@ impl GroupWriter for PgStore {
                 self.complete_group(completions).await,
             );
         };
-        let written = self.write_statements(&[insert, update]).await;
+        let written = self.write_statements(&[vec![insert], update]).await;
         let (inserted, completed) = match &written {
             Ok(written) => (Some(&written[0]), Ok(&written[1])),
             Err(e) => (None, Err(e)),

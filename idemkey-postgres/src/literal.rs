@@ -10,7 +10,6 @@
 //!   named statement sqlx keeps for the next call is, after the transaction, on a server
 //!   connection this client no longer holds. One message is one exchange on one server
 //!   connection, in a transaction or not.
-//! - The grouped completion's rows are planned with each statement.
 //!
 //! Only values this crate builds go through here, and each is written so that nothing in it
 //! can end the literal: text as an escape string (`E'…'`, with `\` and `'` doubled, which

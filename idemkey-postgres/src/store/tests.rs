@@ -5,12 +5,13 @@ use idemkey_testkit::conformance::{begin_owned, claim_at, record_id, response};
 use std::str::FromStr;
 
 use idemkey_sqlx::group::{Completion, GroupWriter};
-use sqlx::AssertSqlSafe;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection};
 
 use super::*;
 use crate::group::completion_rows;
 use crate::kept::Kept;
+use crate::statements::PREPARE_GROUP;
 
 /// The claim of `key` on one route, made at `now`.
 fn claim(key: &str, now: Timestamp) -> protocol::Claim {
@@ -64,10 +65,10 @@ async fn migrated_store_with(option: (&str, &str)) -> (PgStore, String) {
     (store, url)
 }
 
-/// The grouped completion is planned with the table as it is: on a table of thousands
-/// of records it looks each row up by its primary key (no scan of the table), and each
-/// completion gets its own answer, a stale token `false`, from the literal rows'
-/// `RETURNING`.
+/// The grouped completion looks each row up by its primary key whatever the table held
+/// when its prepared statement was planned: the generic plan, made while the table holds
+/// three records, is an index lookup (no scan of the table). Each completion gets its own
+/// answer, a stale token `false`, from its statement's `RETURNING`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_group_looks_its_rows_up_by_key() {
     let store = migrated_store(4).await;
@@ -81,16 +82,6 @@ async fn a_completion_group_looks_its_rows_up_by_key() {
         reserved.iter().all(|r| matches!(r, Ok(Inserted::Owned))),
         "{reserved:?}"
     );
-    sqlx::query(
-        "INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
-                fingerprint_parts, state, token, created_at, updated_at, expires_at)
-         SELECT 'bulk', sha256(i::text::bytea), '/bulk', '\\x00', '\\x00', 'completed',
-                1, 0, 0, 0
-           FROM generate_series(1, 5000) AS i",
-    )
-    .execute(store.pool())
-    .await
-    .expect("bulk records");
     let completion = |key: &str, token: i64| Completion {
         id: claim(key).id,
         token,
@@ -108,20 +99,31 @@ async fn a_completion_group_looks_its_rows_up_by_key() {
     ];
 
     let rows: Vec<&Completion> = group.iter().collect();
-    let sql = completion_rows(&rows).expect("statement");
-    let plan: Vec<String> = sqlx::raw_sql(AssertSqlSafe(format!("EXPLAIN {sql}")))
-        .fetch_all(store.pool())
-        .await
-        .expect("explain")
-        .iter()
-        .map(|row| row.try_get(0).expect("plan line"))
-        .collect();
-    let plan = plan.join("\n");
-    assert!(
-        plan.contains("Index Scan using idemkey_records_pkey"),
-        "{plan}"
-    );
-    assert!(!plan.contains("Seq Scan on idemkey_records"), "{plan}");
+    // A connection of its own (closed after), told to use the generic plan from the first
+    // execution, as it would after five.
+    let mut conn = store.pool().acquire().await.expect("connection").detach();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "SET plan_cache_mode = force_generic_plan; {PREPARE_GROUP}"
+    )))
+    .execute(&mut conn)
+    .await
+    .expect("prepare");
+    for statement in completion_rows(&rows).expect("statements") {
+        let plan: Vec<String> = sqlx::raw_sql(AssertSqlSafe(format!("EXPLAIN {statement}")))
+            .fetch_all(&mut conn)
+            .await
+            .expect("explain")
+            .iter()
+            .map(|row| row.try_get(0).expect("plan line"))
+            .collect();
+        let plan = plan.join("\n");
+        assert!(
+            plan.contains("Index Scan using idemkey_records_pkey"),
+            "{plan}"
+        );
+        assert!(!plan.contains("Seq Scan on idemkey_records"), "{plan}");
+    }
+    conn.close().await.expect("close");
 
     let answers = store.complete_group(group).await;
     assert!(
