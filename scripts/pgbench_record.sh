@@ -65,7 +65,8 @@ PARTS="'\\x$(printf '%048d' 1)'::bytea"
 SEALED=NULL
 MEMBERS="'\\x$(printf '%0162d' 4)'::bytea"
 HEADERS="'\\x$(printf '%0178d' 5)'::bytea"
-BODY="convert_to('{\"id\":\"pay_00fcf0c6aa09412a9620df83\",\"amount\":100,\"currency\":\"EUR\",\"customer\":\"bench-0\",\"description\":\"load test\",\"status\":\"succeeded\",\"created_at\":\"2026-12-03T05:56:21.413Z\"}', 'UTF8')"
+BODY_JSON='{"id":"pay_00fcf0c6aa09412a9620df83","amount":100,"currency":"EUR","customer":"bench-0","description":"load test","status":"succeeded","created_at":"2026-12-03T05:56:21.413Z"}'
+BODY="convert_to('$BODY_JSON', 'UTF8')"
 COLUMNS="tenant, key_hash, route, fingerprint, fingerprint_parts, state, token, lease_expires_at,
   created_at, updated_at, expires_at, sealed_key, fingerprint_members"
 CLAIM="INSERT INTO idemkey_records ($COLUMNS) VALUES ('bench', $KEY, 'POST /v1/payments',
@@ -90,10 +91,14 @@ PAYMENT="WITH payment AS (INSERT INTO payments (id, tenant, amount, currency, cu
 # idemkey-postgres/src/statements.rs's PREPARE_GROUP, prepared once per connection): the
 # reservations as one EXECUTE of arrays, a column each, each completion an EXECUTE of its own.
 GROUP=${GROUP:-16}
-GKEY="int8send(:k) || int4send(g) || '\\x0102030405060708091011121314151617181920'::bytea"
-column() { # $1 = a row's value (int4send(g) numbers the row): GROUP rows' values, an array
+# Values as the gateway writes them, literals, but for the key: the group's :q (19 digits;
+# pgbench writes no variable into a literal), the row's number and a filler, as hex; the
+# body's bytes as hex.
+GKEY="('\\x' || :q || '0ROW010203040506070809101112131415161718192021')::bytea"
+GBODY="'\\x$(printf '%s' "$BODY_JSON" | od -An -tx1 | tr -d ' \n')'::bytea"
+column() { # $1 = a row's value (ROW: the row's number): GROUP rows' values, an array
   local out="" g
-  for g in $(seq "$GROUP"); do out+="${1//int4send(g)/int4send($g)}, "; done
+  for g in $(seq "$GROUP"); do out+="${1//ROW/$(printf %02x "$g")}, "; done
   echo "ARRAY[${out%, }]"
 }
 GROUP_PREPARED="PREPARE ik_reserve_group (text[], bytea[], text[], bytea[], bytea[], text[],
@@ -115,7 +120,7 @@ GROUP_CLAIM="EXECUTE ik_reserve_group($(column "'bench'")::text[], $(column "$GK
   $(column "$MEMBERS")::bytea[], $(column NULL)::bigint[]);"
 GROUP_COMPLETE=$(for g in $(seq "$GROUP"); do
   printf "EXECUTE ik_complete_row('bench', %s, 'POST /v1/payments', 1, 201, %s, %s, 1700000000001)\\; " \
-    "${GKEY//int4send(g)/int4send($g)}" "$HEADERS" "$BODY"
+    "${GKEY//ROW/$(printf %02x "$g")}" "$HEADERS" "$GBODY"
 done)
 GROUP_COMPLETE="${GROUP_COMPLETE%\\; };"
 
@@ -162,9 +167,10 @@ script() { # $1 = variant
     external) flight "$CLAIM"; flight "$COMPLETE" ;;
     external_grouped)
       # the keys of this group are completed by the next one (the first completes none)
-      echo '\if :prepared = 0'; echo '\set previous 0'; echo '\set prepared 1'
+      echo '\set q random(1000000000000000000, 8999999999999999999)'
+      echo '\if :prepared = 0'; echo '\set previous 1000000000000000000'; echo '\set prepared 1'
       flight "$GROUP_PREPARED"; echo '\endif'
-      flight "${GROUP_CLAIM%;}\; ${GROUP_COMPLETE//:k/:previous}"; echo '\set previous :k' ;;
+      flight "${GROUP_CLAIM%;}\; ${GROUP_COMPLETE//:q/:previous}"; echo '\set previous :q' ;;
   esac
 }
 read -r -a VARIANTS <<<"${VARIANTS:-baseline claim deferred floor wire wire_execute wire_prepared external}"
