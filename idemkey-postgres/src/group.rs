@@ -5,14 +5,15 @@ use std::collections::HashSet;
 use futures::TryStreamExt;
 use idemkey_core::{Inserted, NewRecord, RecordId, StoreError};
 use idemkey_sqlx::group::{self, Completion, GroupAnswers, GroupWriter};
-use sqlx::postgres::PgRow;
+use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Either, FromRow};
 
 use crate::PgStore;
 use crate::literal::{self, Args, Columns, Sql};
 use crate::sqlstate::is_connection_lost;
 use crate::statements::{
-    PREPARE_GROUP, PREPARE_GROUP_STATEMENTS, UNDEFINED_PREPARED, bind_completion, bind_record, code,
+    DUPLICATE_PREPARED, PREPARE_GROUP, PREPARE_GROUP_STATEMENTS, UNDEFINED_PREPARED,
+    bind_completion, bind_record, code,
 };
 
 /// The grouped reservation: the prepared `idemkey_reserve_group_v1` (`PREPARE_GROUP` in
@@ -47,6 +48,22 @@ pub(crate) fn completion_rows(rows: &[&Completion]) -> Result<Vec<String>, Store
         .collect()
 }
 
+/// Sends `message` (one or more statements) and collects what each answered.
+async fn send(
+    conn: &mut PgConnection,
+    message: String,
+) -> Result<Vec<Either<PgQueryResult, PgRow>>, sqlx::Error> {
+    sqlx::raw_sql(AssertSqlSafe(message))
+        .fetch_many(conn)
+        .try_collect()
+        .await
+}
+
+/// Whether `results` is the failure with `sqlstate`.
+fn failed_with<T>(results: &Result<T, sqlx::Error>, sqlstate: &str) -> bool {
+    results.as_ref().err().and_then(code).as_deref() == Some(sqlstate)
+}
+
 impl PgStore {
     /// Sends `kinds` of statements (each returning the keys it wrote) in one message, after
     /// the lock wait: one implicit transaction, autocommitted. The keys each kind's
@@ -62,25 +79,25 @@ impl PgStore {
             .enumerate()
             .flat_map(|(k, statements)| std::iter::repeat_n(k, statements.len()))
             .collect();
-        // The `SET LOCAL` of the lock wait ends a statement of its own first.
-        let mut skip = usize::from(!lock_wait.is_empty());
         let mut conn = self.pool.acquire().await?;
-        let results: Vec<Either<_, PgRow>> = match sqlx::raw_sql(AssertSqlSafe(message.clone()))
-            .fetch_many(&mut *conn)
-            .try_collect()
-            .await
-        {
-            // A connection that has not prepared the group's statements yet (a new one, or
-            // one a pooler reset): nothing was committed; prepare them and write again.
-            Err(e) if code(&e).as_deref() == Some(UNDEFINED_PREPARED) => {
-                skip += PREPARE_GROUP_STATEMENTS;
-                sqlx::raw_sql(AssertSqlSafe(format!("{PREPARE_GROUP}; {message}")))
-                    .fetch_many(&mut *conn)
-                    .try_collect()
-                    .await?
+        // A connection that has not prepared the group's statements (a new one, or one a
+        // pooler reset) fails the message before anything commits: it is sent again after
+        // the `PREPARE`s. Behind a pooler in transaction mode that may reach a server
+        // connection that has them, whose `PREPARE` fails: the message then goes once more.
+        let mut prepared = false;
+        let mut results = send(&mut conn, message.clone()).await;
+        if failed_with(&results, UNDEFINED_PREPARED) {
+            results = send(&mut conn, format!("{PREPARE_GROUP}; {message}")).await;
+            prepared = true;
+            if failed_with(&results, DUPLICATE_PREPARED) {
+                results = send(&mut conn, message).await;
+                prepared = false;
             }
-            results => results?,
-        };
+        }
+        // The `SET LOCAL` of the lock wait, and the `PREPARE`s, answer without rows first.
+        let skip =
+            usize::from(!lock_wait.is_empty()) + usize::from(prepared) * PREPARE_GROUP_STATEMENTS;
+        let results = results?;
         let mut written = vec![Vec::new(); kinds.len()];
         let mut statement: usize = 0;
         for result in results {

@@ -17,6 +17,10 @@ pub(crate) const UNIQUE_VIOLATION: &str = "23505";
 /// statement (yet).
 pub(crate) const UNDEFINED_PREPARED: &str = "26000";
 
+/// SQLSTATE 42P05 duplicate_prepared_statement: the connection has prepared the statement
+/// already.
+pub(crate) const DUPLICATE_PREPARED: &str = "42P05";
+
 /// The two statements [`PgStore::begin_claim`](idemkey_core::Store::begin_claim) and
 /// [`PgStore::complete_and_commit`](idemkey_core::Store::complete_and_commit) send with
 /// `BEGIN` and `COMMIT`, prepared once per connection (in the message of its first claim),
