@@ -99,11 +99,12 @@ async fn a_completion_group_looks_its_rows_up_by_key() {
     ];
 
     let rows: Vec<&Completion> = group.iter().collect();
-    // A connection of its own (closed after), told to use the generic plan from the first
-    // execution, as it would after five.
+    // A connection of its own (closed after; the reservations may have prepared the
+    // statements on it), told to use the generic plan from the first execution, as it
+    // would after five.
     let mut conn = store.pool().acquire().await.expect("connection").detach();
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "SET plan_cache_mode = force_generic_plan; {PREPARE_GROUP}"
+        "DEALLOCATE ALL; SET plan_cache_mode = force_generic_plan; {PREPARE_GROUP}"
     )))
     .execute(&mut conn)
     .await
