@@ -84,6 +84,8 @@ impl PgStore {
         // pooler reset) fails the message before anything commits: it is sent again after
         // the `PREPARE`s. Behind a pooler in transaction mode that may reach a server
         // connection that has them, whose `PREPARE` fails: the message then goes once more.
+        // A connection that still lacks one (it has the other: someone deallocated it) is
+        // closed, for the pool to open another.
         let mut prepared = false;
         let mut results = send(&mut conn, message.clone()).await;
         if failed_with(&results, UNDEFINED_PREPARED) {
@@ -92,6 +94,9 @@ impl PgStore {
             if failed_with(&results, DUPLICATE_PREPARED) {
                 results = send(&mut conn, message).await;
                 prepared = false;
+                if failed_with(&results, UNDEFINED_PREPARED) {
+                    conn.close_on_drop();
+                }
             }
         }
         // The `SET LOCAL` of the lock wait, and the `PREPARE`s, answer without rows first.

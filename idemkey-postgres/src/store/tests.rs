@@ -150,6 +150,85 @@ async fn a_completion_group_looks_its_rows_up_by_key() {
     );
 }
 
+/// A connection on which one of the group's statements is missing while the other is
+/// prepared (deallocated by hand): the group fails there however it is sent, so each write
+/// is made alone and answered as such, and the connection is closed; the pool's next
+/// connection prepares both and writes the next group as one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_missing_one_group_statement_is_replaced() {
+    let store = migrated_store(1).await;
+    let now = Timestamp::now();
+    let done = |key: &str| Completion {
+        id: claim(key, now).id,
+        token: 1,
+        response: response("{\"done\":true}"),
+        now,
+    };
+    let owned = store
+        .insert_group(vec![reservation("a", now), reservation("b", now)])
+        .await;
+    assert!(
+        owned.iter().all(|r| matches!(r, Ok(Inserted::Owned))),
+        "{owned:?}"
+    );
+    let backend = |store: &PgStore| {
+        let pool = store.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+                .fetch_one(&pool)
+                .await
+                .expect("backend")
+        }
+    };
+    let first = backend(&store).await;
+    sqlx::raw_sql("DEALLOCATE idemkey_complete_row_v1")
+        .execute(store.pool())
+        .await
+        .expect("deallocate");
+
+    let (reserved, completed) = store
+        .write_groups(
+            vec![reservation("c", now), reservation("d", now)],
+            vec![done("a"), done("b")],
+        )
+        .await;
+    assert!(
+        matches!(reserved[..], [Ok(Inserted::Owned), Ok(Inserted::Owned)]),
+        "{reserved:?}"
+    );
+    assert!(
+        matches!(completed[..], [Ok(true), Ok(true)]),
+        "{completed:?}"
+    );
+    let second = backend(&store).await;
+    assert_ne!(first, second, "the connection was replaced");
+
+    // The new connection has neither statement: the next group prepares both on it (the
+    // writes made alone use neither).
+    let (reserved, completed) = store
+        .write_groups(vec![reservation("e", now)], vec![done("c"), done("d")])
+        .await;
+    assert!(
+        matches!(reserved[..], [Ok(Inserted::Owned)]),
+        "{reserved:?}"
+    );
+    assert!(
+        matches!(completed[..], [Ok(true), Ok(true)]),
+        "{completed:?}"
+    );
+    let prepared: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM pg_prepared_statements ORDER BY name")
+            .fetch_all(store.pool())
+            .await
+            .expect("prepared statements");
+    assert!(
+        prepared.contains(&"idemkey_complete_row_v1".to_owned())
+            && prepared.contains(&"idemkey_reserve_group_v1".to_owned()),
+        "{prepared:?}"
+    );
+    assert_eq!(backend(&store).await, second, "the new connection is kept");
+}
+
 /// A connection whose transaction the store committed is kept out of the pool, and the
 /// next transaction begins on it (the same backend), whole: what it writes commits with
 /// it, and dropped, it leaves nothing. Both ways of committing keep it: the completion
