@@ -12,8 +12,7 @@ use crate::PgStore;
 use crate::literal::{self, Args, Columns, Sql};
 use crate::sqlstate::is_connection_lost;
 use crate::statements::{
-    DUPLICATE_PREPARED, PREPARE_GROUP, PREPARE_GROUP_STATEMENTS, UNDEFINED_PREPARED,
-    bind_completion, bind_record, code,
+    DUPLICATE_PREPARED, PREPARE_GROUP, UNDEFINED_PREPARED, bind_completion, bind_record, code,
 };
 
 /// The grouped reservation: the prepared `idemkey_reserve_group_v1` (`PREPARE_GROUP` in
@@ -73,7 +72,10 @@ impl PgStore {
         kinds: &[Vec<String>],
     ) -> Result<Vec<HashSet<RecordId>>, sqlx::Error> {
         let lock_wait = literal::lock_wait(self.lock_wait);
-        let message = lock_wait.clone() + &kinds.concat().join("; ");
+        // The `SET LOCAL` of the lock wait, and any `PREPARE`s, answer without rows first.
+        let mut skip = usize::from(!lock_wait.is_empty());
+        let statements: Vec<&str> = kinds.iter().flatten().map(String::as_str).collect();
+        let message = lock_wait + &statements.join("; ");
         let kind_of: Vec<usize> = kinds
             .iter()
             .enumerate()
@@ -86,22 +88,19 @@ impl PgStore {
         // connection that has them, whose `PREPARE` fails: the message then goes once more.
         // A connection that still lacks one (it has the other: someone deallocated it) is
         // closed, for the pool to open another.
-        let mut prepared = false;
         let mut results = send(&mut conn, message.clone()).await;
         if failed_with(&results, UNDEFINED_PREPARED) {
-            results = send(&mut conn, format!("{PREPARE_GROUP}; {message}")).await;
-            prepared = true;
+            let prepare = PREPARE_GROUP.join("; ");
+            results = send(&mut conn, format!("{prepare}; {message}")).await;
             if failed_with(&results, DUPLICATE_PREPARED) {
                 results = send(&mut conn, message).await;
-                prepared = false;
                 if failed_with(&results, UNDEFINED_PREPARED) {
                     conn.close_on_drop();
                 }
+            } else {
+                skip += PREPARE_GROUP.len();
             }
         }
-        // The `SET LOCAL` of the lock wait, and the `PREPARE`s, answer without rows first.
-        let skip =
-            usize::from(!lock_wait.is_empty()) + usize::from(prepared) * PREPARE_GROUP_STATEMENTS;
         let results = results?;
         let mut written = vec![Vec::new(); kinds.len()];
         let mut statement: usize = 0;

@@ -49,9 +49,9 @@ PREPARE idemkey_complete_v1 (text, bytea, text, bigint, integer, bytea, bytea, b
 /// prepared once per connection (in the message of its first group), as [`PREPARE`]'s are.
 /// The reservation takes its rows as arrays, a column each, and inserts them in their
 /// order; a completion is one row's (see `complete_group` in `group.rs`). Each returns the
-/// keys it wrote.
-pub(crate) const PREPARE_GROUP: &str = "\
-PREPARE idemkey_reserve_group_v1 (text[], bytea[], text[], bytea[], bytea[], text[], bigint[],
+/// keys it wrote. Each answers without rows.
+pub(crate) const PREPARE_GROUP: [&str; 2] = [
+    "PREPARE idemkey_reserve_group_v1 (text[], bytea[], text[], bytea[], bytea[], text[], bigint[],
                                   bigint[], bigint[], bytea[], bytea[], bigint[]) AS
     INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint, fingerprint_parts, state,
                                  token, lease_expires_at, created_at, updated_at, expires_at,
@@ -63,16 +63,14 @@ PREPARE idemkey_reserve_group_v1 (text[], bytea[], text[], bytea[], bytea[], tex
                                  created, expires, sealed, members, first_sent, n)
      ORDER BY n
     ON CONFLICT (tenant, key_hash, route) DO NOTHING
-    RETURNING tenant, key_hash, route;
-PREPARE idemkey_complete_row_v1 (text, bytea, text, bigint, integer, bytea, bytea, bigint) AS
+    RETURNING tenant, key_hash, route",
+    "PREPARE idemkey_complete_row_v1 (text, bytea, text, bigint, integer, bytea, bytea, bigint) AS
     UPDATE idemkey_records
        SET state = 'completed', token = token + 1, lease_expires_at = NULL,
            response_status = $5, response_headers = $6, response_body = $7, updated_at = $8
      WHERE tenant = $1 AND key_hash = $2 AND route = $3 AND token = $4
-    RETURNING tenant, key_hash, route";
-
-/// The statements in [`PREPARE_GROUP`], each answered without rows.
-pub(crate) const PREPARE_GROUP_STATEMENTS: usize = 2;
+    RETURNING tenant, key_hash, route",
+];
 
 /// The SQLSTATE of a database error.
 pub(crate) fn code(e: &sqlx::Error) -> Option<String> {

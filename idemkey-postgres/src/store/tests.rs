@@ -33,6 +33,16 @@ fn reservation(key: &str, now: Timestamp) -> NewRecord {
     }
 }
 
+/// An external-mode completion of `key` by the owner holding `token`, at `now`.
+fn done(key: &str, token: i64, now: Timestamp) -> Completion {
+    Completion {
+        id: claim(key, now).id,
+        token,
+        response: response("{\"done\":true}"),
+        now,
+    }
+}
+
 /// A migrated store of `max_connections` on a fresh database.
 async fn migrated_store(max_connections: u32) -> PgStore {
     let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
@@ -104,7 +114,8 @@ async fn a_completion_group_looks_its_rows_up_by_key() {
     // would after five.
     let mut conn = store.pool().acquire().await.expect("connection").detach();
     sqlx::raw_sql(AssertSqlSafe(format!(
-        "DEALLOCATE ALL; SET plan_cache_mode = force_generic_plan; {PREPARE_GROUP}"
+        "DEALLOCATE ALL; SET plan_cache_mode = force_generic_plan; {}",
+        PREPARE_GROUP.join("; ")
     )))
     .execute(&mut conn)
     .await
@@ -158,12 +169,7 @@ async fn a_completion_group_looks_its_rows_up_by_key() {
 async fn a_connection_missing_one_group_statement_is_replaced() {
     let store = migrated_store(1).await;
     let now = Timestamp::now();
-    let done = |key: &str| Completion {
-        id: claim(key, now).id,
-        token: 1,
-        response: response("{\"done\":true}"),
-        now,
-    };
+    let done = |key: &str| done(key, 1, now);
     let owned = store
         .insert_group(vec![reservation("a", now), reservation("b", now)])
         .await;
@@ -519,12 +525,7 @@ async fn a_group_of_both_kinds_commits_once_and_fails_whole() {
     let (store, _) = migrated_store_with(("lock_timeout", "200ms")).await;
     let now = Timestamp::now();
     let new = |key: &str| reservation(key, now);
-    let done = |key: &str, token: i64| Completion {
-        id: claim(key, now).id,
-        token,
-        response: response("{\"done\":true}"),
-        now,
-    };
+    let done = |key: &str, token: i64| done(key, token, now);
     let owned = store
         .insert_group(vec![new("a"), new("b"), new("c"), new("d")])
         .await;
