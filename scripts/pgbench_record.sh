@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# What the idempotency record costs PostgreSQL, without idemkey's server: pgbench runs the
-# statements of one fresh payment several ways, in alternating rounds, on a throwaway
-# PostgreSQL (fsync on, default settings), and prints requests per second, the database's CPU
-# µs per request (the postmaster, its reaped backends and its live children, from /proc) and
-# each variant's ratio to the baseline of the same round. A request is one transaction of
-# the script, except in external_grouped (GROUP of them).
+# What the idempotency record costs PostgreSQL, without idemkey's HTTP server: pgbench (or,
+# for sqlx_*, serve's own code) runs the statements of one fresh payment several ways, in
+# rounds (every other one in reverse order), on a throwaway PostgreSQL (fsync on, default
+# settings), and prints requests per second, the database's CPU µs per request (the
+# postmaster, its reaped backends and its live children, from /proc) and each variant's ratio
+# to the baseline of the same round. A request is one transaction of the script, except in
+# external_grouped (GROUP of them).
 #
 #   baseline  BEGIN | the payment and its ledger entry | COMMIT   (serve's unkeyed route)
 #   claim     BEGIN + the claim's INSERT | the payment | the completing UPDATE + COMMIT
@@ -13,17 +14,11 @@
 #             the completed record's INSERT + COMMIT  (a claim by lock, measured, not built)
 #   floor     BEGIN | the payment | the completed record's INSERT + COMMIT  (no claim at all:
 #             not a protocol, the least any record written with the effect can cost)
-#   wire      claim's statements in PgStore's messages (docs/records.md, "What goes over
-#             the wire"): BEGIN; the claim | the payment | the completion; COMMIT; BEGIN;
-#             ROLLBACK  (pgbench's simple protocol, values as literals; the ROLLBACK ends
-#             the empty transaction COMMIT; BEGIN leaves, as PgStore's queued one does.
-#             PgStore EXECUTEs prepared statements with literal arguments, which spares it
-#             the planning this pays. The payment too goes unprepared here, where serve
-#             prepares it: wire and wire_execute cost more than serve's messages)
-#   wire_execute  wire with PgStore's prepared statements: PREPAREd once per connection,
-#             then EXECUTEd with literal arguments in the same messages (what PgStore sends)
-#   wire_prepared  wire's statements prepared and pipelined by pgbench (extended protocol,
-#             bound values): what wire's extra BEGIN and ROLLBACK cost, apart from literals
+#   sqlx_baseline, sqlx_keyed  serve's unkeyed and keyed routes on PostgreSQL, their own
+#             code and messages without the HTTP server (PgStore through sqlx, CLIENTS
+#             tasks, a pool connection each: idemkey-server/examples/pg_store_record.rs):
+#             what the database allows the messages serve sends, as claim does for the
+#             statements bound and pipelined
 #   external  the gateway's two durable writes, one record each: the claim's INSERT | the
 #             completing UPDATE, each committed alone (no payment: the effect is upstream's)
 #   external_grouped  (only when named in VARIANTS) the same writes as the gateway groups
@@ -124,20 +119,6 @@ GROUP_COMPLETE=$(for g in $(seq "$GROUP"); do
 done)
 GROUP_COMPLETE="${GROUP_COMPLETE%\\; };"
 
-# PgStore's two statements, prepared by name once per connection, as statements.rs does.
-PREPARED="PREPARE ik_claim (text, bytea, text, bytea, bytea, text, bigint, bigint, bigint,
-  bytea, bytea, bigint) AS INSERT INTO idemkey_records ($COLUMNS, first_sent) VALUES (\$1, \$2,
-  \$3, \$4, \$5, \$6, 1, \$7, \$8, \$8, \$9, \$10, \$11, \$12);
-PREPARE ik_complete (text, bytea, text, bigint, integer, bytea, bytea, bigint) AS WITH done AS
-  (UPDATE idemkey_records SET state = 'completed', token = token + 1, lease_expires_at = NULL,
-  response_status = \$5, response_headers = \$6, response_body = \$7, updated_at = \$8
-  WHERE tenant = \$1 AND key_hash = \$2 AND route = \$3 AND token = \$4 RETURNING 1)
-  SELECT idemkey_expect_owned(count(*)) FROM done;"
-EXECUTE_CLAIM="EXECUTE ik_claim('bench', $KEY, 'POST /v1/payments', $B32, $PARTS, 'executing',
-  NULL, 1700000000000, 1700086400000, $SEALED, $MEMBERS, NULL);"
-EXECUTE_COMPLETE="EXECUTE ik_complete('bench', $KEY, 'POST /v1/payments', 1, 201, $HEADERS,
-  $BODY, 1700000000001);"
-
 flight() { # statements, one per argument: one round trip
   if [ $# -gt 1 ]; then echo '\startpipeline'; fi
   # pgbench reads one statement per line
@@ -154,16 +135,6 @@ script() { # $1 = variant
       flight "BEGIN;" "SELECT pg_advisory_xact_lock(:k);" "SELECT * FROM idemkey_records WHERE $ID;"
       flight "$PAYMENT"; flight "$COMPLETED" "COMMIT;" ;;
     floor) flight "BEGIN;"; flight "$PAYMENT"; flight "$COMPLETED" "COMMIT;" ;;
-    # One simple-protocol message each, its statements joined by pgbench's "\;".
-    # (PgStore's ROLLBACK goes with the next transaction's first message; pgbench wants
-    # each script to end out of a transaction: the same statements, in as many messages.)
-    wire) flight "BEGIN\; $CLAIM"; flight "$PAYMENT"; flight "${COMPLETE%;}\; COMMIT\; BEGIN\; ROLLBACK;" ;;
-    wire_execute)
-      # pgbench keeps a client's variables from one transaction to the next (-D prepared=0)
-      echo '\if :prepared = 0'; flight "$PREPARED"; echo '\set prepared 1'; echo '\endif'
-      flight "BEGIN\; $EXECUTE_CLAIM"; flight "$PAYMENT"
-      flight "${EXECUTE_COMPLETE%;}\; COMMIT\; BEGIN\; ROLLBACK;" ;;
-    wire_prepared) flight "BEGIN;" "$CLAIM"; flight "$PAYMENT"; flight "$COMPLETE" "COMMIT;" "BEGIN;" "ROLLBACK;" ;;
     external) flight "$CLAIM"; flight "$COMPLETE" ;;
     external_grouped)
       # the keys of this group are completed by the next one (the first completes none)
@@ -173,29 +144,52 @@ script() { # $1 = variant
       flight "${GROUP_CLAIM%;}\; ${GROUP_COMPLETE//:q/:previous}"; echo '\set previous :q' ;;
   esac
 }
-read -r -a VARIANTS <<<"${VARIANTS:-baseline claim deferred floor wire wire_execute wire_prepared external}"
+read -r -a VARIANTS <<<"${VARIANTS:-baseline claim deferred floor sqlx_baseline sqlx_keyed external}"
 for v in "${VARIANTS[@]}"; do script "$v" >"$WORK/$v.sql"; done
+if [[ " ${VARIANTS[*]}" == *" sqlx_"* ]]; then
+  cargo build --release -q -p idemkey-server --example pg_store_record
+  STORE_RECORD=target/release/examples/pg_store_record
+fi
 
 TICK=$(getconf CLK_TCK)
 echo "round variant requests/s db_cpu_us_per_request ratio_to_baseline"
 for r in $(seq "$ROUNDS"); do
-  base=""
-  for v in "${VARIANTS[@]}"; do
+  # even rounds run the variants in reverse, so that none always follows the same one
+  order=("${VARIANTS[@]}")
+  if [ $((r % 2)) = 0 ]; then
+    order=()
+    for ((i = ${#VARIANTS[@]} - 1; i >= 0; i--)); do order+=("${VARIANTS[i]}"); done
+  fi
+  declare -A RPS=() CPU=()
+  for v in "${order[@]}"; do
     before=$(pg_ticks)
     mode=prepared clients=$CLIENTS per=1
-    case $v in wire | wire_execute) mode=simple ;; esac
     # the gateway's writer: one group at a time, GROUP requests a transaction
     [ "$v" = external_grouped ] && { mode=simple clients=1 per=$GROUP; }
-    out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -n -M "$mode" -D prepared=0 \
-      -c "$clients" -j 2 -T "$SECONDS_EACH" -f "$WORK/$v.sql" postgres 2>&1) || {
-      echo "$out" >&2
-      exit 1
-    }
+    case $v in
+      sqlx_*)
+        # "N requests, R req/s"
+        out=$("$STORE_RECORD" "$PG_URL" "${v#sqlx_}" "$SECONDS_EACH" "$CLIENTS" 2>&1) || {
+          echo "$out" >&2
+          exit 1
+        }
+        tx=$(echo "$out" | awk '/requests,/ {print $1}')
+        rps=$(echo "$out" | awk '/requests,/ {print $3}') ;;
+      *)
+        out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -n -M "$mode" -D prepared=0 \
+          -c "$clients" -j 2 -T "$SECONDS_EACH" -f "$WORK/$v.sql" postgres 2>&1) || {
+          echo "$out" >&2
+          exit 1
+        }
+        tx=$(echo "$out" | awk '/actually processed/ {split($NF, a, "/"); print a[1]}')
+        rps=$(echo "$out" | awk -v per="$per" '/^tps/ {printf "%.0f", $3 * per}') ;;
+    esac
     sleep 1 # the backends exit and are reaped into the postmaster's children's time
     after=$(pg_ticks)
-    tx=$(echo "$out" | awk '/actually processed/ {split($NF, a, "/"); print a[1]}')
-    rps=$(echo "$out" | awk -v per="$per" '/^tps/ {printf "%.0f", $3 * per}')
-    [ -z "$base" ] && base=$rps
-    echo "$r $v $rps $(((after - before) * 1000000 / TICK / tx / per)) $(echo "$rps $base" | awk '{printf "%.2f", $1 / $2}')"
+    RPS[$v]=$rps
+    CPU[$v]=$(((after - before) * 1000000 / TICK / tx / per))
+  done
+  for v in "${VARIANTS[@]}"; do
+    echo "$r $v ${RPS[$v]} ${CPU[$v]} $(echo "${RPS[$v]} ${RPS[${VARIANTS[0]}]}" | awk '{printf "%.2f", $1 / $2}')"
   done
 done
