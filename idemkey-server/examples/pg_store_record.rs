@@ -19,17 +19,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use idemkey_core::{
-    Begun, FingerprintSpec, NewRecord, RecordId, RecordState, RequestParts, Store, StoredResponse,
-    Timestamp, fingerprint,
-};
+use idemkey_core::{Begun, NewRecord, RecordId, RecordState, Store, StoredResponse, Timestamp};
 use idemkey_postgres::PgStore;
 use idemkey_server::{AppDb, Payment};
+use idemkey_testkit::conformance::json_fp;
 use rand::RngCore;
 
 /// The body `idemkey bench` posts, fingerprinted as serve does (members included).
-const REQUEST: &[u8] =
-    br#"{"amount":100,"currency":"EUR","customer":"bench-0","description":"load test"}"#;
+const REQUEST: &str =
+    r#"{"amount":100,"currency":"EUR","customer":"bench-0","description":"load test"}"#;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -100,17 +98,7 @@ async fn pay(store: &PgStore, keyed: bool) -> anyhow::Result<()> {
             key_hash,
             route: "POST /v1/payments".to_owned(),
         },
-        fingerprint: fingerprint(
-            &RequestParts {
-                method: "POST",
-                route: "/v1/payments",
-                path_params: &[],
-                query: None,
-                content_type: Some("application/json"),
-                body: REQUEST,
-            },
-            &FingerprintSpec::default(),
-        ),
+        fingerprint: json_fp(REQUEST),
         state: RecordState::Executing,
         lease_expires_at: None,
         now,
