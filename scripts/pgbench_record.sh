@@ -145,7 +145,9 @@ script() { # $1 = variant
   esac
 }
 read -r -a VARIANTS <<<"${VARIANTS:-baseline claim deferred floor sqlx_baseline sqlx_keyed external}"
-for v in "${VARIANTS[@]}"; do script "$v" >"$WORK/$v.sql"; done
+for v in "${VARIANTS[@]}"; do
+  case $v in sqlx_*) ;; *) script "$v" >"$WORK/$v.sql" ;; esac
+done
 if [[ " ${VARIANTS[*]}" == *" sqlx_"* ]]; then
   cargo build --release -q -p idemkey-server --example pg_store_record
   STORE_RECORD=target/release/examples/pg_store_record
@@ -167,20 +169,19 @@ for r in $(seq "$ROUNDS"); do
     # the gateway's writer: one group at a time, GROUP requests a transaction
     [ "$v" = external_grouped ] && { mode=simple clients=1 per=$GROUP; }
     case $v in
-      sqlx_*)
-        # "N requests, R req/s"
-        out=$("$STORE_RECORD" "$PG_URL" "${v#sqlx_}" "$SECONDS_EACH" "$CLIENTS" 2>&1) || {
-          echo "$out" >&2
-          exit 1
-        }
+      sqlx_*) load=("$STORE_RECORD" "$PG_URL" "${v#sqlx_}" "$SECONDS_EACH" "$CLIENTS") ;;
+      *) load=("$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -n -M "$mode" -D prepared=0
+        -c "$clients" -j 2 -T "$SECONDS_EACH" -f "$WORK/$v.sql" postgres) ;;
+    esac
+    out=$("${load[@]}" 2>&1) || {
+      echo "$out" >&2
+      exit 1
+    }
+    case $v in
+      sqlx_*) # "N requests, R req/s"
         tx=$(echo "$out" | awk '/requests,/ {print $1}')
         rps=$(echo "$out" | awk '/requests,/ {print $3}') ;;
       *)
-        out=$("$PGBIN/pgbench" -h 127.0.0.1 -p "$PGPORT" -U postgres -n -M "$mode" -D prepared=0 \
-          -c "$clients" -j 2 -T "$SECONDS_EACH" -f "$WORK/$v.sql" postgres 2>&1) || {
-          echo "$out" >&2
-          exit 1
-        }
         tx=$(echo "$out" | awk '/actually processed/ {split($NF, a, "/"); print a[1]}')
         rps=$(echo "$out" | awk -v per="$per" '/^tps/ {printf "%.0f", $3 * per}') ;;
     esac

@@ -45,8 +45,8 @@ async fn main() -> anyhow::Result<()> {
     // A connection for each client: none waits on the pool.
     let store = PgStore::connect(url, clients).await?;
     let made = Arc::new(AtomicU64::new(0));
-    let deadline = Instant::now() + Duration::from_secs(seconds);
     let started = Instant::now();
+    let deadline = started + Duration::from_secs(seconds);
     let tasks: Vec<_> = (0..clients)
         .map(|_| {
             let (store, made) = (store.clone(), made.clone());
