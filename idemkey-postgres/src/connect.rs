@@ -11,6 +11,7 @@ use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 
 use crate::kept::Kept;
+use crate::migrate::Unprepared;
 use crate::sqlstate::error;
 
 /// An idempotency store in a PostgreSQL database.
@@ -138,31 +139,29 @@ impl PgStore {
     }
 
     /// Runs the pending migrations of `migrator` (this crate's or the application's own),
-    /// all in one transaction on a connection of their own.
+    /// all in one transaction on a connection of their own; a migration marked
+    /// `-- no-transaction` runs in it too.
     ///
-    /// sqlx's migrator takes a session's advisory lock and keeps its statements prepared
-    /// on the connection; in one transaction both stay on one server connection behind a
-    /// pooler in transaction mode. Before the `COMMIT` the lock is released (by the
-    /// migrator) and the statements closed, so the server connection goes back to the
-    /// pooler as it came; if anything fails the connection is closed unfinished, and the
-    /// server (or the pooler, which drops a server connection its client left inside a
-    /// transaction) rolls back and releases everything. Concurrent runs on one database
-    /// wait for each other on a transaction's advisory lock, which only the `COMMIT`
-    /// releases: the migrator's own is released before it, while the next run could not
-    /// see yet what this one created.
+    /// sqlx's migrator decides what to run (what is applied, the checksums, a database left
+    /// dirty) and keeps its table as it does with its own runner, so `sqlx migrate info`
+    /// reads it; each statement goes as a simple query, none kept prepared. So the run
+    /// neither meets nor leaves a named statement on the server connection, which behind a
+    /// pooler in transaction mode other clients use before and after it (docs/decisions.md,
+    /// "Migrations run as simple queries"). Concurrent runs on one database wait for each
+    /// other on the advisory lock of sqlx's migrator, taken as a transaction's lock, which
+    /// only the `COMMIT` releases: the next run sees what this one created. If anything
+    /// fails the connection is closed unfinished, and the server (or the pooler, which drops
+    /// a server connection its client left inside a transaction) rolls back and releases
+    /// everything.
     pub async fn migrate_with(&self, migrator: &Migrator) -> Result<(), MigrateError> {
         let mut conn = PgConnection::connect_with(&self.pool.connect_options()).await?;
         let migrated = async {
             let mut tx = conn.begin().await?;
-            sqlx::raw_sql(
-                "SELECT pg_advisory_xact_lock(hashtextextended('idemkey migrations', 0))",
-            )
-            .execute(&mut *tx)
-            .await?;
             // What `run` does once it has a connection; `run` itself, generic over
             // `Acquire`, makes a future the compiler cannot prove `Send` here.
-            migrator.run_direct(None, &mut *tx, false).await?;
-            tx.clear_cached_statements().await?;
+            migrator
+                .run_direct(None, &mut Unprepared(&mut tx), false)
+                .await?;
             tx.commit().await?;
             Ok::<_, MigrateError>(())
         }

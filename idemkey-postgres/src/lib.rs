@@ -21,6 +21,7 @@ mod group;
 mod kept;
 mod listen;
 mod literal;
+mod migrate;
 mod outbox;
 mod sqlstate;
 mod statements;
