@@ -243,12 +243,13 @@ impl GatewayDb for PgStore {
     async fn ping(&self) -> anyhow::Result<()> {
         // Connections are not pinged when handed out: after a restart the idle ones are
         // dead, and each failed try closes one (bounded by the pool size, plus a new one).
-        // Without parameters, sqlx sends it as a simple query: one message, safe behind a
-        // pooler too.
+        // A simple query, one message: `sqlx::query` would prepare it as a named statement
+        // kept on the connection, which behind a pooler in transaction mode stays on a
+        // server connection that other clients use next.
         let attempts = self.pool().options().get_max_connections() + 1;
         let mut attempt = 1;
         loop {
-            match sqlx::query("SELECT 1").execute(self.pool()).await {
+            match sqlx::raw_sql("SELECT 1").execute(self.pool()).await {
                 Ok(_) => return Ok(()),
                 Err(e) if attempt < attempts && idemkey_postgres::is_connection_lost(&e) => {
                     attempt += 1;
