@@ -122,6 +122,13 @@ crate::problem_types! {
     REQUEST_TOO_LARGE = "request-too-large", 413, "Request body too large", retry: false;
     /// The body could not be read; nothing was executed.
     REQUEST_UNREADABLE = "request-unreadable", 400, "Request body unreadable", retry: true;
+    /// The body is in a content coding the server does not decode; the answer's
+    /// `Accept-Encoding` names those it does. Nothing was executed.
+    ENCODING_UNSUPPORTED = "encoding-unsupported", 415, "Content-Encoding unsupported",
+        retry: false;
+    /// The body does not decode as its `Content-Encoding` says; nothing was executed.
+    REQUEST_UNDECODABLE = "request-undecodable", 400, "Request body does not decode",
+        retry: false;
     /// The route requires a `Repeatability-First-Sent` header and the request had none.
     FIRST_SENT_MISSING = "first-sent-missing", 400, "Repeatability-First-Sent missing",
         retry: false;
@@ -185,6 +192,8 @@ pub const CONTRACT: &[ProblemType] = &[
     KEY_INVALID,
     REQUEST_TOO_LARGE,
     REQUEST_UNREADABLE,
+    ENCODING_UNSUPPORTED,
+    REQUEST_UNDECODABLE,
     FIRST_SENT_MISSING,
     FIRST_SENT_INVALID,
     FIRST_SENT_EXPIRED,

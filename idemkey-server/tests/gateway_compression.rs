@@ -6,13 +6,18 @@
 //! replay comes in a coding the retry accepts (the stored one, or none) and decodes to the
 //! first answer's JSON. An answer over `--max-stored-response` is 500 `response-too-large`,
 //! and the operation, which the upstream did carry out, is left indeterminate.
+//!
+//! Upstreams that compress as servers in the wild do: raw DEFLATE under `deflate` is decoded
+//! for a retry like the zlib form; a truncated gzip body is replayed whole, as stored, with
+//! its coding, and counted in `idemkey_undecodable_responses_total`. A request body the
+//! client compresses anew on retry (another gzip header) is the same request.
 
 mod common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use async_compression::tokio::bufread::{BrotliDecoder, GzipDecoder};
+use async_compression::tokio::bufread::{BrotliDecoder, DeflateEncoder, GzipDecoder, GzipEncoder};
 use axum::Router;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
@@ -58,14 +63,68 @@ async fn create(
         .into_response()
 }
 
-/// The compressing upstream: `POST /v1/orders/{lines}`.
+/// The compressing upstream: `POST /v1/orders/{lines}`; and `POST /v1/encoded/{kind}`,
+/// answering [`document`] as raw DEFLATE under `deflate` (`raw-deflate`) or as gzip cut in
+/// half (`truncated-gzip`), whatever the request's `Accept-Encoding`.
 fn upstream() -> (String, Effects) {
     let effects = Effects::default();
     let app = Router::new()
         .route("/v1/orders/{lines}", post(create))
         .layer(CompressionLayer::new())
+        .route("/v1/encoded/{kind}", post(encoded))
         .with_state(effects.clone());
     (format!("http://{}", serve_on_own_thread(app)), effects)
+}
+
+/// The JSON document the `/v1/encoded` routes answer.
+fn document() -> Vec<u8> {
+    let items: Vec<Value> = (0..200).map(|i| json!({ "line": i })).collect();
+    json!({ "items": items }).to_string().into_bytes()
+}
+
+async fn compressed(plain: &[u8], gzip: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    if gzip {
+        GzipEncoder::new(plain).read_to_end(&mut out).await.unwrap();
+    } else {
+        DeflateEncoder::new(plain)
+            .read_to_end(&mut out)
+            .await
+            .unwrap();
+    }
+    out
+}
+
+/// The stored bytes `POST /v1/encoded/{kind}` answers, and their coding.
+async fn encoded_body(kind: &str) -> (&'static str, Vec<u8>) {
+    match kind {
+        "raw-deflate" => ("deflate", compressed(&document(), false).await),
+        _ => {
+            let mut gzip = compressed(&document(), true).await;
+            gzip.truncate(gzip.len() / 2);
+            ("gzip", gzip)
+        }
+    }
+}
+
+/// Counts one effect per key and answers 201 with the body of `kind`.
+async fn encoded(
+    State(effects): State<Effects>,
+    Path(kind): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+    *effects.lock().unwrap().entry(key).or_default() += 1;
+    let (coding, body) = encoded_body(&kind).await;
+    (
+        StatusCode::CREATED,
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::CONTENT_ENCODING, coding),
+        ],
+        body,
+    )
+        .into_response()
 }
 
 async fn gateway(upstream: &str, dir: &tempfile::TempDir) -> Gateway {
@@ -240,4 +299,166 @@ async fn an_answer_too_large_to_store_is_response_too_large_and_unknown() {
     assert!(plain.body.len() > 1 << 20, "{} bytes", plain.body.len());
     assert_eq!(plain.decoded().await, compressed.decoded().await);
     assert_eq!(effects.lock().unwrap()["large-gzip"], 1);
+}
+
+/// `POST path` with `key`, `Accept-Encoding: accept` when given, and `body` in
+/// `Content-Encoding: coding` when given.
+async fn post_to(
+    gateway: &Gateway,
+    path: &str,
+    key: &str,
+    accept: Option<&str>,
+    coding: Option<&str>,
+    body: Vec<u8>,
+) -> Answer {
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let mut request = client
+        .post(format!("{}{path}", gateway.base))
+        .bearer_auth(TOKEN)
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body);
+    if let Some(accept) = accept {
+        request = request.header("accept-encoding", accept);
+    }
+    if let Some(coding) = coding {
+        request = request.header("content-encoding", coding);
+    }
+    let response = request.send().await.expect("POST");
+    Answer {
+        status: response.status().as_u16(),
+        headers: response.headers().clone(),
+        body: response.bytes().await.expect("the whole body").to_vec(),
+    }
+}
+
+/// The gateway's `idemkey_undecodable_responses_total`.
+async fn undecodable(gateway: &Gateway) -> String {
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let text = client
+        .get(format!("{}/metrics", gateway.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find(|l| l.starts_with("idemkey_undecodable_responses_total "))
+        .unwrap_or("idemkey_undecodable_responses_total missing")
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raw_deflate_answer_is_decoded_for_a_retry() {
+    let (base, effects) = upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&base, &dir).await;
+    let (_, stored) = encoded_body("raw-deflate").await;
+    let first = post_to(
+        &gw,
+        "/v1/encoded/raw-deflate",
+        "raw",
+        None,
+        None,
+        b"{}".into(),
+    )
+    .await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(first.header("content-encoding"), Some("deflate"));
+    assert_eq!(first.body, stored);
+    for accept in [None, Some("gzip")] {
+        let retry = post_to(
+            &gw,
+            "/v1/encoded/raw-deflate",
+            "raw",
+            accept,
+            None,
+            b"{}".into(),
+        )
+        .await;
+        assert_eq!(retry.status, 201, "{accept:?}: {}", retry.text());
+        assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+        assert_eq!(retry.header("content-encoding"), None, "{accept:?}");
+        assert_eq!(retry.body, document(), "{accept:?}");
+    }
+    assert_eq!(effects.lock().unwrap()["raw"], 1);
+    assert_eq!(
+        undecodable(&gw).await,
+        "idemkey_undecodable_responses_total 0"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncated_gzip_answer_is_replayed_whole_as_stored() {
+    let (base, effects) = upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&base, &dir).await;
+    let (_, stored) = encoded_body("truncated-gzip").await;
+    let path = "/v1/encoded/truncated-gzip";
+    let first = post_to(&gw, path, "cut", Some("gzip"), None, b"{}".into()).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    assert_eq!(first.body, stored);
+    assert_eq!(
+        undecodable(&gw).await,
+        "idemkey_undecodable_responses_total 1"
+    );
+    for accept in [None, Some("br"), Some("gzip")] {
+        // A cut stream would fail `bytes()`: the whole stored body comes, in its coding.
+        let retry = post_to(&gw, path, "cut", accept, None, b"{}".into()).await;
+        assert_eq!(retry.status, 201, "{accept:?}: {}", retry.text());
+        assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+        assert_eq!(retry.header("content-encoding"), Some("gzip"), "{accept:?}");
+        assert_eq!(retry.body, stored, "{accept:?}");
+    }
+    assert_eq!(effects.lock().unwrap()["cut"], 1);
+    assert_eq!(
+        undecodable(&gw).await,
+        "idemkey_undecodable_responses_total 1"
+    );
+}
+
+/// `body` in gzip with `mtime` in its header: the same content, other bytes.
+async fn gzip_at(body: &[u8], mtime: u32) -> Vec<u8> {
+    let mut out = compressed(body, true).await;
+    // RFC 1952: MTIME is bytes 4 to 7; without FHCRC nothing else covers them.
+    out[4..8].copy_from_slice(&mtime.to_le_bytes());
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_compressed_anew_on_retry_is_the_same_request() {
+    let (base, effects) = upstream();
+    let dir = tempfile::tempdir().unwrap();
+    let gw = gateway(&base, &dir).await;
+    let path = "/v1/orders/3";
+    let order = br#"{"sku":"abc-123"}"#;
+    let first = post_to(&gw, path, "gz", None, Some("gzip"), gzip_at(order, 1).await).await;
+    assert_eq!(first.status, 201, "{}", first.text());
+    let retry = post_to(&gw, path, "gz", None, Some("gzip"), gzip_at(order, 2).await).await;
+    assert_eq!(retry.status, 201, "{}", retry.text());
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(effects.lock().unwrap()["gz"], 1);
+
+    let other = gzip_at(br#"{"sku":"xyz-999"}"#, 1).await;
+    let reused = post_to(&gw, path, "gz", None, Some("gzip"), other).await;
+    assert_eq!(reused.status, 422, "{}", reused.text());
+    let problem: Value = serde_json::from_slice(&reused.body).unwrap();
+    assert_eq!(problem["type"], "urn:idemkey:problem:key-reused");
+
+    let unknown = post_to(&gw, path, "lzw", None, Some("compress"), b"x".into()).await;
+    assert_eq!(unknown.status, 415, "{}", unknown.text());
+    assert_eq!(
+        unknown.header("accept-encoding"),
+        Some("gzip, deflate, br, zstd")
+    );
+    let problem: Value = serde_json::from_slice(&unknown.body).unwrap();
+    assert_eq!(problem["type"], "urn:idemkey:problem:encoding-unsupported");
+    let corrupt = post_to(&gw, path, "bad", None, Some("gzip"), b"not gzip".into()).await;
+    assert_eq!(corrupt.status, 400, "{}", corrupt.text());
+    let problem: Value = serde_json::from_slice(&corrupt.body).unwrap();
+    assert_eq!(problem["type"], "urn:idemkey:problem:request-undecodable");
+    assert_eq!(effects.lock().unwrap().get("lzw"), None);
+    assert_eq!(effects.lock().unwrap().get("bad"), None);
 }

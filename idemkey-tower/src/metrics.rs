@@ -153,6 +153,7 @@ struct Inner {
     purge_rounds: Counter,
     marked_indeterminate: Counter,
     replay_cache_hits: Counter,
+    undecodable_responses: Counter,
     waiting_in_process: Gauge,
 }
 
@@ -181,6 +182,7 @@ impl Default for Inner {
             purge_rounds: Counter::default(),
             marked_indeterminate: Counter::default(),
             replay_cache_hits: Counter::default(),
+            undecodable_responses: Counter::default(),
             waiting_in_process: Gauge::default(),
         }
     }
@@ -285,6 +287,11 @@ impl Metrics {
             i.replay_cache_hits.clone(),
         );
         registry.register(
+            "idemkey_undecodable_responses",
+            "Stored answers whose body does not decode as their Content-Encoding says (within 16 times the stored-answer limit): every retry gets them as stored, in that coding",
+            i.undecodable_responses.clone(),
+        );
+        registry.register(
             "idemkey_waiting_in_process",
             "Keyed requests waiting in memory, without a database connection, for another attempt of their key in this process",
             i.waiting_in_process.clone(),
@@ -356,6 +363,11 @@ impl Metrics {
         self.inner.replay_cache_hits.inc();
     }
 
+    /// Counts a stored answer whose body does not decode as its `Content-Encoding` says.
+    pub(crate) fn undecodable_response(&self) {
+        self.inner.undecodable_responses.inc();
+    }
+
     /// Counts a request waiting, in memory, for another attempt of its key in this process,
     /// until the returned guard is dropped.
     pub(crate) fn waiting(&self) -> Waiting {
@@ -372,6 +384,12 @@ impl Metrics {
     /// How many keyed requests the replay cache answered.
     pub fn replay_cache_hits(&self) -> u64 {
         self.inner.replay_cache_hits.get()
+    }
+
+    /// How many stored answers did not decode as their `Content-Encoding` says (and are
+    /// replayed as stored, in that coding, to every retry).
+    pub fn undecodable_responses(&self) -> u64 {
+        self.inner.undecodable_responses.get()
     }
 
     /// Requests waiting now, in memory and without a database connection, for another

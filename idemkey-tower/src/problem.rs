@@ -14,6 +14,9 @@ use idemkey_core::{FirstSentError, KeyError, Mismatch, Timestamp};
 
 pub use idemkey_core::problem::{PROBLEM_JSON, PROBLEM_TYPE_PREFIX};
 
+/// The content codings the layer decodes, as `Accept-Encoding` names them.
+pub(crate) const DECODED_CODINGS: &str = "gzip, deflate, br, zstd";
+
 /// An error answered by the idempotency layer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -33,6 +36,21 @@ pub enum IdempotencyRejection {
     /// The request body could not be read.
     #[error("the request body could not be read")]
     RequestUnreadable,
+    /// The request body is in a content coding the layer does not decode (415, with
+    /// `Accept-Encoding` naming those it does).
+    #[error(
+        "the request body is in the content coding {coding:?}, which this server does not decode; it decodes {DECODED_CODINGS}"
+    )]
+    EncodingUnsupported {
+        /// The coding named by `Content-Encoding`.
+        coding: String,
+    },
+    /// The request body does not decode as its `Content-Encoding` says.
+    #[error("the request body does not decode as its Content-Encoding says ({reason})")]
+    RequestUndecodable {
+        /// What the decoder found.
+        reason: String,
+    },
     /// `Repeatability-First-Sent` is missing where the route requires it, malformed, or
     /// further ahead than the clock-skew allowance.
     #[error("{0}")]
@@ -132,6 +150,8 @@ impl IdempotencyRejection {
             Self::KeyInvalid(_) => &problem::KEY_INVALID,
             Self::RequestTooLarge { .. } => &problem::REQUEST_TOO_LARGE,
             Self::RequestUnreadable => &problem::REQUEST_UNREADABLE,
+            Self::EncodingUnsupported { .. } => &problem::ENCODING_UNSUPPORTED,
+            Self::RequestUndecodable { .. } => &problem::REQUEST_UNDECODABLE,
             Self::FirstSent(FirstSentError::Missing) => &problem::FIRST_SENT_MISSING,
             Self::FirstSent(_) => &problem::FIRST_SENT_INVALID,
             Self::FirstSentExpired { .. } => &problem::FIRST_SENT_EXPIRED,
@@ -217,6 +237,13 @@ impl IntoResponse for IdempotencyRejection {
             response
                 .headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        if matches!(self, Self::EncodingUnsupported { .. }) {
+            // RFC 9110, section 15.5.16: the codings a request body may be in.
+            response.headers_mut().insert(
+                header::ACCEPT_ENCODING,
+                HeaderValue::from_static(DECODED_CODINGS),
+            );
         }
         response
     }

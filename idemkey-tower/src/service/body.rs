@@ -1,9 +1,11 @@
-//! Request bodies: read whole, bounded.
+//! Request bodies: read whole, bounded, and their content.
 
 use axum::body::Body;
+use bytes::Bytes;
 use http::{HeaderMap, header};
 use http_body_util::BodyExt;
 
+use super::coding::{self, Undecodable};
 use crate::IdempotencyRejection;
 
 /// How much of an over-limit body is read and discarded before the 413, so the client,
@@ -46,4 +48,22 @@ pub(super) async fn read_body(
         return Err(too_large);
     }
     Ok(buf.freeze())
+}
+
+/// The content of a request body read within `limit`, which its fingerprint is of: decoded
+/// when its `Content-Encoding` names a coding, to at most 16 times `limit` (past it: 413
+/// `request-too-large`); 415 `encoding-unsupported` for a coding the layer does not decode,
+/// 400 `request-undecodable` for a body that does not decode.
+pub(super) fn content(
+    headers: &HeaderMap,
+    body: &Bytes,
+    limit: usize,
+) -> Result<Bytes, IdempotencyRejection> {
+    coding::request_content(headers, body, limit).map_err(|e| match e {
+        Undecodable::Unknown(coding) => IdempotencyRejection::EncodingUnsupported { coding },
+        Undecodable::TooLarge(limit) => IdempotencyRejection::RequestTooLarge { limit },
+        Undecodable::Corrupt { coding, source } => IdempotencyRejection::RequestUndecodable {
+            reason: format!("{coding}: {source}"),
+        },
+    })
 }

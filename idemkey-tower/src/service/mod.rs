@@ -6,8 +6,8 @@
 //! - [`external`]: external mode, the owner flow after a reservation (shared by
 //!   `idemkey gateway`, which is this mode plus a proxy handler);
 //! - [`stored`]: what is kept of an answer, and the replay;
-//! - [`coding`]: a stored body's content coding, and what a retry accepts;
-//! - [`body`]: bounded request bodies.
+//! - [`coding`]: content codings: a stored body's, what a retry accepts, a request body's;
+//! - [`body`]: bounded request bodies, and their content.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -289,8 +289,13 @@ impl<S: Store, M: Mode> Keyed<S, M> {
     /// The answer a record gives, as [`stored::answer_claim`] makes it.
     fn answer(&self, outcome: ClaimOutcome) -> Response {
         let now = self.config.clock.now();
-        let (outcome, response) =
-            stored::answer_claim(outcome, &self.key, now, &self.accept_encoding);
+        let (outcome, response) = stored::answer_claim(
+            outcome,
+            &self.key,
+            now,
+            &self.accept_encoding,
+            self.config.max_stored_response,
+        );
         self.finish(outcome, response)
     }
 
@@ -443,6 +448,12 @@ impl<S: Store, M: Mode> Keyed<S, M> {
                 .headers
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok());
+            // Of the content: a body in a content coding is fingerprinted decoded, so that
+            // the same content compressed anew is the same request. It goes on as it came.
+            let content = match body::content(&parts.headers, &bytes, config.max_request_body) {
+                Ok(content) => content,
+                Err(rejection) => return self.finish(Outcome::Rejected, rejection),
+            };
             let fingerprint = fingerprint(
                 &RequestParts {
                     method: parts.method.as_str(),
@@ -450,10 +461,11 @@ impl<S: Store, M: Mode> Keyed<S, M> {
                     path_params: &[("path", parts.uri.path())],
                     query: parts.uri.query(),
                     content_type,
-                    body: &bytes,
+                    body: &content,
                 },
                 &config.fingerprint,
             );
+            drop(content);
             let mut claim = Claim {
                 id,
                 fingerprint,

@@ -38,6 +38,10 @@ impl Captured {
 
 /// Reads the handler's answer for storing, in both modes: its status, the allowlisted headers
 /// and the body, at most the route's limit (past it: 500 `response-too-large`).
+///
+/// A body in a coding the layer decodes is decoded once, into nothing, within the bound
+/// ([`coding::check_stored`]): one that does not decode is stored all the same, and replayed
+/// as stored to every retry, which a warning and `idemkey_undecodable_responses_total` say.
 pub(super) async fn capture_outcome(
     response: Response,
     config: &Config,
@@ -50,6 +54,15 @@ pub(super) async fn capture_outcome(
             status_url: None,
         }
     })?;
+    if let Err(error) = coding::check_stored(&head.headers, &body, limit) {
+        config.metrics.undecodable_response();
+        tracing::warn!(
+            %error,
+            status = head.status.as_u16(),
+            "an answer does not decode as its Content-Encoding says: it is stored as sent, \
+             and a retry that does not accept that coding gets it as stored all the same"
+        );
+    }
     let stored = StoredResponse {
         status: head.status.as_u16(),
         headers: config.stored_headers_of(&head.headers),
@@ -85,19 +98,24 @@ pub fn stored_headers(headers: &HeaderMap, extra: &[HeaderName]) -> Vec<(String,
 /// with the metrics outcome it counts as. Each answer given because a record was read carries
 /// that record's `Idempotency-Key-Expires`; an in-flight answer without a record in hand (the
 /// store's lock was not granted in time) carries none. A replay is sent in a coding that
-/// `accept` (the retry's `Accept-Encoding` fields) takes.
+/// `accept` (the retry's `Accept-Encoding` fields) takes when its body decodes within the
+/// bound for the stored-answer limit `limit`.
 pub(super) fn answer_claim(
     outcome: ClaimOutcome,
     key: &IdempotencyKey,
     now: Timestamp,
     accept: &[HeaderValue],
+    limit: usize,
 ) -> (Outcome, Response) {
     let (outcome, mut response, expires_at) = match outcome {
         ClaimOutcome::Replay {
             response,
             expires_at,
             ..
-        } => return (Outcome::Replayed, replay(response, expires_at, accept)),
+        } => {
+            let response = replay(response, expires_at, accept, limit);
+            return (Outcome::Replayed, response);
+        }
         ClaimOutcome::Mismatch {
             mismatch,
             expires_at,
@@ -143,7 +161,12 @@ pub(super) fn answer_claim(
 /// A replay of `stored`: its status, headers and body byte for byte (decoded when `accept`
 /// does not take its coding: [`coding::for_retry`]), with `Idempotent-Replayed: true` and
 /// `Idempotency-Key-Expires`.
-fn replay(stored: StoredResponse, expires_at: Timestamp, accept: &[HeaderValue]) -> Response {
+fn replay(
+    stored: StoredResponse,
+    expires_at: Timestamp,
+    accept: &[HeaderValue],
+    limit: usize,
+) -> Response {
     let mut headers = HeaderMap::new();
     for (name, value) in stored.headers {
         if let (Ok(name), Ok(value)) = (
@@ -153,7 +176,7 @@ fn replay(stored: StoredResponse, expires_at: Timestamp, accept: &[HeaderValue])
             headers.append(name, value);
         }
     }
-    let body = coding::for_retry(&mut headers, stored.body, accept);
+    let body = coding::for_retry(&mut headers, stored.body, accept, limit);
     headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     add_expiry(&mut headers, expires_at);
     let mut response = Response::new(body);
