@@ -104,7 +104,9 @@ impl<E> From<StoreError> for InboxError<E> {
 /// let handled = inbox
 ///     .run("msg_0123", |conn| {
 ///         Box::pin(async move {
-///             sqlx::query("INSERT INTO invoices (payment) VALUES ('p_1')")
+///             // Without parameters, a simple query: nothing is left prepared on the
+///             // server connection, which a pooler in transaction mode may hand to others.
+///             sqlx::raw_sql("INSERT INTO invoices (payment) VALUES ('p_1')")
 ///                 .execute(&mut *conn)
 ///                 .await
 ///                 .map(|_| ())
