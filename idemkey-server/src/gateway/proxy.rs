@@ -15,16 +15,16 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use hyper::client::conn::http1::SendRequest;
 use idemkey_core::HEADER_NAME;
 use idemkey_core::hop::strip_hop_by_hop;
 use idemkey_tower::{
-    External, IdempotencyLayer, IdempotencyRejection, KeyRequirement, RETRY_AFTER, is_safe, mode,
+    External, IdempotencyLayer, IdempotencyRejection, KeyRequirement, RETRY_AFTER, Tenant, is_safe,
+    mode,
 };
 use tower::ServiceExt;
 
 use super::GatewayDb;
-use super::upstream::Connections;
+use super::upstream::{Connection, Connections};
 use super::{Gateway, GatewayOptions, GatewayRejection, RouteRule};
 
 /// What forwarding needs: the options, and the connections kept to the upstream.
@@ -98,10 +98,16 @@ async fn forward_keyed<S: GatewayDb>(
         .await
         .map(|b| b.to_bytes())
         .unwrap_or_default();
+    // Connections are kept per tenant: an upstream that answers once too often on one gives
+    // the extra answer to a request of the same tenant at worst, never to another's.
+    let tenant = parts
+        .extensions
+        .get::<Tenant>()
+        .map_or("", |t| t.0.as_str());
     let mut reuse = true;
     loop {
         // Nothing has been sent yet: whatever happens here frees the key.
-        let connection = match forwarder.connections.get(reuse).await {
+        let connection = match forwarder.connections.get(tenant, reuse).await {
             Ok(connection) => connection,
             Err(error) => return unreachable(&error),
         };
@@ -109,16 +115,29 @@ async fn forward_keyed<S: GatewayDb>(
             tracing::warn!(error = %rejection, "cannot mark the point of no return; nothing was sent");
             return rejection.into_response();
         }
+        let reused = connection.reused;
+        let Some(body) = connection.begin(Body::from(bytes.clone())) else {
+            // The upstream wrote on the connection with no request outstanding: whatever it
+            // wrote is no answer to this request, which is not sent on it.
+            op.nothing_sent();
+            if reused {
+                reuse = false;
+                continue;
+            }
+            return unreachable(&io::Error::other(
+                "the upstream wrote on a new connection before any request",
+            ));
+        };
         // The point of no return: from here the effect may happen.
-        let mut req = upstream_request(options, &parts, Body::from(bytes.clone()));
+        let mut req = upstream_request(options, &parts, body);
         req.headers_mut()
             .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-        match exchange(&forwarder, connection.sender, req).await {
+        match exchange(&forwarder, tenant, connection, req).await {
             Upstreamed::Answer(head, body) => return downstream(head, Body::from(body)),
             Upstreamed::NotSent(error) => {
                 // The connection had closed; hyper handed the request back unwritten.
                 op.nothing_sent();
-                if connection.reused {
+                if reused {
                     // A kept connection the upstream closed while it sat idle: once more,
                     // on a new one.
                     reuse = false;
@@ -140,7 +159,7 @@ async fn forward_keyed<S: GatewayDb>(
                 .into_response();
             }
             Upstreamed::Unknown(reason) => {
-                tracing::warn!(%reason, "sent upstream, no complete answer: the outcome is unknown");
+                tracing::warn!(%reason, "sent upstream, no answer to store: the outcome is unknown");
                 op.outcome_unknown();
                 return GatewayRejection::UpstreamOutcomeUnknown {
                     status_url: op.status_url().to_owned(),
@@ -222,20 +241,22 @@ enum Upstreamed {
     NotSent(hyper::Error),
     /// An answer came back, with a body larger than `--max-stored-response`.
     TooLarge,
-    /// The request was sent and no complete answer came back.
+    /// The request was sent and no answer to store came back: none, an incomplete one, or
+    /// one that came before the request was written whole.
     Unknown(String),
 }
 
-/// Sends `req` on `sender` and reads the answer whole; keeps the connection for a later
-/// request when it came back complete.
+/// Sends `req` on `connection` and reads the answer whole; keeps the connection for a later
+/// request of `tenant` when the answer came back complete, and closes it otherwise.
 async fn exchange(
     forwarder: &Forwarder,
-    mut sender: SendRequest<Body>,
+    tenant: &str,
+    mut connection: Connection,
     req: Request<Body>,
 ) -> Upstreamed {
     let limit = forwarder.options.max_stored_response;
     let round_trip = async {
-        let response = match sender.try_send_request(req).await {
+        let response = match connection.sender.try_send_request(req).await {
             Ok(response) => response,
             Err(mut e) => {
                 return Err(match e.take_message() {
@@ -244,6 +265,13 @@ async fn exchange(
                 });
             }
         };
+        if connection.answered_early() {
+            // An extra answer to an earlier request, or one to a request the upstream did
+            // not read: not this request's to store.
+            return Err(Upstreamed::Unknown(
+                "the upstream answered before it had the whole request".to_owned(),
+            ));
+        }
         let (head, body) = response.into_parts();
         let body = Limited::new(body, limit)
             .collect()
@@ -257,7 +285,7 @@ async fn exchange(
     };
     match tokio::time::timeout(forwarder.options.upstream_timeout, round_trip).await {
         Ok(Ok((head, body))) => {
-            forwarder.connections.put(sender);
+            forwarder.connections.put(tenant, connection);
             Upstreamed::Answer(head, body)
         }
         Ok(Err(failed)) => failed,
