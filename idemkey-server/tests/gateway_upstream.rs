@@ -1,24 +1,29 @@
 //! `idemkey gateway` in front of upstreams that break HTTP/1.1's pairing of answers with
-//! requests (a raw `TcpListener` on loopback that writes what it likes), with two tenants.
+//! requests (a raw `TcpListener` on loopback that writes what it likes), with two tenants,
+//! and requests it must forward whole.
 //!
 //! - An upstream that writes an answer once too often on a kept connection: no tenant ever
 //!   gets, or has stored, an answer to another tenant's request.
 //! - An upstream that answers before it has read the whole request: the answer is not
 //!   stored; the operation is left indeterminate (504 `upstream-outcome-unknown`, then 409
 //!   `outcome-unknown`).
+//! - A `GET` with a chunked body: forwarded with its body.
 
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use axum::Router;
+use axum::body::Bytes;
+use axum::http::Method;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
-use common::gateway::Gateway;
+use common::gateway::{Gateway, serve_on_own_thread};
 
 /// How the raw upstream breaks the protocol.
 #[derive(Debug, Clone, Copy)]
@@ -264,4 +269,60 @@ async fn an_answer_before_the_whole_request_is_not_stored() {
         retried.body
     );
     assert_eq!(upstream.requests.load(Ordering::SeqCst), 1);
+}
+
+/// What the echoing upstream saw: method and body of each request.
+type Seen = Arc<Mutex<Vec<(Method, Bytes)>>>;
+
+/// An upstream that answers 200 with the request's body, and notes each request.
+fn echo_upstream() -> (String, Seen) {
+    let seen = Seen::default();
+    let noted = seen.clone();
+    let app = Router::new().fallback(move |method: Method, body: Bytes| {
+        let noted = noted.clone();
+        async move {
+            noted.lock().unwrap().push((method, body.clone()));
+            body
+        }
+    });
+    (format!("http://{}", serve_on_own_thread(app)), seen)
+}
+
+/// Writes `request` to the gateway raw, on a connection of its own that it closes after
+/// the answer; answers the whole answer as text.
+async fn raw(gateway: &Gateway, request: &str) -> String {
+    let address = gateway.base.trim_start_matches("http://");
+    let mut stream = TcpStream::connect(address).await.expect("connect");
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut answer))
+        .await
+        .expect("the gateway answers")
+        .expect("read");
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_with_a_chunked_body_is_forwarded_with_it() {
+    let (upstream, seen) = echo_upstream();
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let gateway = gateway(&upstream, &dir, &[]).await;
+    let answer = raw(
+        &gateway,
+        "GET /v1/search HTTP/1.1\r\nhost: gateway\r\nauthorization: Bearer tok1\r\n\
+         transfer-encoding: chunked\r\nconnection: close\r\n\r\n\
+         6\r\n{\"q\":1\r\n1\r\n}\r\n0\r\n\r\n",
+    )
+    .await;
+    assert!(
+        answer.starts_with("HTTP/1.1 200 "),
+        "{answer}\n{}",
+        gateway.log_text()
+    );
+    let seen = seen.lock().unwrap();
+    assert_eq!(
+        *seen,
+        [(Method::GET, Bytes::from_static(b"{\"q\":1}"))],
+        "{answer}"
+    );
 }

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Body as _;
 use idemkey_core::HEADER_NAME;
 use idemkey_core::hop::strip_hop_by_hop;
 use idemkey_tower::{
@@ -178,6 +179,7 @@ fn upstream_request(options: &GatewayOptions, parts: &Parts, body: Body) -> Requ
         .path_and_query()
         .map_or("/", |pq| pq.as_str())
         .to_owned();
+    let unknown_length = body.size_hint().exact().is_none();
     let mut req = Request::new(body);
     *req.method_mut() = parts.method.clone();
     *req.uri_mut() = format!("{}{path}", options.upstream.base_path)
@@ -185,6 +187,14 @@ fn upstream_request(options: &GatewayOptions, parts: &Parts, body: Body) -> Requ
         .unwrap_or_else(|_| http::Uri::from_static("/"));
     let mut headers = parts.headers.clone();
     strip_hop_by_hop(&mut headers);
+    // A body of unknown length (chunked from the client) goes on chunked: said outright,
+    // since hyper sends none with a GET or a HEAD that does not say it.
+    if unknown_length && !headers.contains_key(header::CONTENT_LENGTH) {
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+    }
     if let Ok(host) = HeaderValue::from_str(&options.upstream.authority) {
         headers.insert(header::HOST, host);
     }
