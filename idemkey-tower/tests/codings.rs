@@ -21,8 +21,9 @@ use axum::response::Response;
 use axum::routing::post;
 use http::{HeaderMap, Request, StatusCode, header};
 use idemkey_core::KeyHasher;
+use idemkey_core::{IdempotencyKey, Scope};
 use idemkey_sqlite::SqliteStore;
-use idemkey_tower::{IdempotencyLayer, KeyRequirement, Metrics, REPLAYED_HEADER};
+use idemkey_tower::{IdempotencyLayer, KeyRequirement, Metrics, REPLAYED_HEADER, Tenant};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 use tokio::io::AsyncReadExt;
@@ -30,6 +31,9 @@ use tower::ServiceExt;
 
 /// The stored-answer limit of the layer here: a stored body may decode to 16 times it.
 const MAX_STORED: usize = 64 * 1024;
+
+/// The layer's key secret here.
+const SECRET: &[u8] = b"a key secret of 32 bytes or more";
 
 /// A JSON document of some size, the same each time.
 fn document() -> Vec<u8> {
@@ -83,7 +87,7 @@ async fn app(coding: &'static str, body: Vec<u8>) -> App {
     let store = SqliteStore::connect(&url).await.unwrap();
     store.migrate().await.unwrap();
     let metrics = Metrics::new();
-    let layer = IdempotencyLayer::new(store, KeyHasher::new(b"a key secret of 32 bytes or more"))
+    let layer = IdempotencyLayer::new(store, KeyHasher::new(SECRET))
         .requirement(KeyRequirement::Required)
         .max_stored_response(MAX_STORED)
         .metrics(metrics.clone());
@@ -333,4 +337,66 @@ async fn refuses_a_request_body_that_does_not_decode() {
         "urn:idemkey:problem:request-too-large"
     );
     assert_eq!(app.runs.load(Ordering::SeqCst), 0);
+}
+
+/// Collects what the log subscriber writes.
+#[derive(Clone, Default)]
+struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Logs;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+/// A stored body that does not decode is a warning, when stored and when replayed as stored,
+/// in the request's span: the key's scope by its derived id and the route, never the raw key.
+#[tokio::test]
+async fn warns_with_the_key_scope_when_a_stored_body_does_not_decode() {
+    let mut truncated = gzip(&document()).await;
+    truncated.truncate(truncated.len() / 2);
+    let app = app("gzip", truncated).await;
+    let logs = Logs::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let raw = "order-4711-customer-alice";
+    let first = send(&app, raw, Some("gzip"), None, b"{}".to_vec()).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let stored = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let retry = send(&app, raw, None, None, b"{}".to_vec()).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    let all = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let replayed = &all[stored.len()..];
+
+    let key = IdempotencyKey::parse(raw.as_bytes()).unwrap();
+    let key_id = KeyHasher::new(SECRET)
+        .record_id(&Scope::new(Tenant::DEFAULT, "POST", "/orders"), &key)
+        .key_id();
+    for (when, logs) in [("stored", &stored[..]), ("replayed", replayed)] {
+        let line = logs
+            .lines()
+            .find(|l| l.contains("does not decode as its Content-Encoding says"))
+            .unwrap_or_else(|| panic!("{when}: no warning in {logs:?}"));
+        assert!(line.contains(" WARN "), "{when}: {line}");
+        assert!(line.contains(&format!("key_id={key_id}")), "{when}: {line}");
+        assert!(line.contains("route=POST /orders"), "{when}: {line}");
+        assert!(line.contains("gzip"), "{when}: names the coding: {line}");
+    }
+    assert!(!all.contains(raw), "the raw key is never logged: {all}");
 }

@@ -102,6 +102,15 @@ fn codings(headers: &HeaderMap) -> Result<Vec<Coding>, Undecodable> {
     Ok(codings)
 }
 
+/// The `Content-Encoding` fields of `headers` as one list, for a log line.
+pub(super) fn named(headers: &HeaderMap) -> String {
+    let fields = headers.get_all(header::CONTENT_ENCODING).iter();
+    let names: Vec<_> = fields
+        .map(|v| String::from_utf8_lossy(v.as_bytes()))
+        .collect();
+    names.join(", ")
+}
+
 /// Whether `body` opens with a zlib header (RFC 1950: method 8 with a window of at most
 /// 32 KiB, and a check that makes the first two bytes a multiple of 31). `deflate` names the
 /// zlib format, yet many servers send raw DEFLATE under it; this tells them apart as
@@ -285,6 +294,7 @@ pub(super) fn for_retry(
     }) {
         tracing::warn!(
             %error,
+            content_encoding = named(headers),
             "a stored answer does not decode as its Content-Encoding says: replayed as stored, \
              in that coding, to a retry that does not accept it"
         );
@@ -323,6 +333,44 @@ mod tests {
         assert!(!accepts(&accept(&["gzip;q=0"]), "gzip"));
         assert!(!accepts(&accept(&["*, gzip; q=0.000"]), "gzip"));
         assert!(!accepts(&accept(&["*;q=0"]), "br"));
+    }
+
+    #[test]
+    fn reads_content_encoding_in_the_order_applied() {
+        let mut headers = HeaderMap::new();
+        for value in ["identity, gzip", "BR", ""] {
+            headers.append(header::CONTENT_ENCODING, HeaderValue::from_static(value));
+        }
+        let read = codings(&headers).unwrap();
+        assert_eq!(read, [Coding::Gzip, Coding::Br]);
+        headers.append(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static("compress"),
+        );
+        assert!(matches!(codings(&headers), Err(Undecodable::Unknown(c)) if c == "compress"));
+    }
+
+    #[test]
+    fn tells_zlib_deflate_from_raw_deflate() {
+        // What zlib writes at its levels, and what a raw stream opens with.
+        for zlib in [
+            [0x78, 0x01],
+            [0x78, 0x5e],
+            [0x78, 0x9c],
+            [0x78, 0xda],
+            [0x08, 0x1d],
+        ] {
+            assert!(zlib_wrapped(&zlib), "{zlib:02x?}");
+        }
+        for raw in [
+            &[0xed, 0x9c][..],
+            &[0x4b, 0x4c],
+            &[0x01, 0x00],
+            &[0x78],
+            &[],
+        ] {
+            assert!(!zlib_wrapped(raw), "{raw:02x?}");
+        }
     }
 
     #[test]

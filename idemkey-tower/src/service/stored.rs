@@ -58,6 +58,7 @@ pub(super) async fn capture_outcome(
         config.metrics.undecodable_response();
         tracing::warn!(
             %error,
+            content_encoding = coding::named(&head.headers),
             status = head.status.as_u16(),
             "an answer does not decode as its Content-Encoding says: it is stored as sent, \
              and a retry that does not accept that coding gets it as stored all the same"
