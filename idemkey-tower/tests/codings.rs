@@ -228,6 +228,13 @@ async fn replays_raw_deflate_decoded() {
     decodes_for_a_retry("deflate", raw_deflate(&document()).await).await;
 }
 
+#[tokio::test]
+async fn replays_codings_applied_in_turn_decoded() {
+    // `deflate, gzip`: raw DEFLATE first, then gzip over it.
+    let encoded = gzip(&raw_deflate(&document()).await).await;
+    decodes_for_a_retry("deflate, gzip", encoded).await;
+}
+
 /// A stored body that does not decode is replayed whole, as stored, with its coding, to a
 /// retry that does not take it too; it is counted once, when it is stored.
 async fn replays_as_stored(coding: &'static str, encoded: Vec<u8>) {

@@ -351,6 +351,14 @@ mod tests {
     }
 
     #[test]
+    fn names_to_a_client_exactly_the_codings_it_decodes() {
+        let listed: Vec<&str> = crate::problem::DECODED_CODINGS.split(", ").collect();
+        let decoded = [Coding::Gzip, Coding::Deflate, Coding::Br, Coding::Zstd];
+        assert_eq!(listed, decoded.map(Coding::name));
+        assert!(listed.iter().all(|name| Coding::parse(name).is_some()));
+    }
+
+    #[test]
     fn tells_zlib_deflate_from_raw_deflate() {
         // What zlib writes at its levels, and what a raw stream opens with.
         for zlib in [
