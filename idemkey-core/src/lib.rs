@@ -53,7 +53,7 @@ pub use self::eviction::{EvictionNotice, EvictionNotices};
 pub use self::fingerprint::*;
 pub use self::first_sent::{
     FIRST_SENT_HEADER, FirstSentError, FirstSentPolicy, FirstSentRequirement,
-    REPEATABILITY_RESULT_HEADER,
+    REPEATABILITY_RESULT_HEADER, http_date,
 };
 pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse};

@@ -321,10 +321,12 @@ impl<S, M: Mode> IdempotencyLayer<S, M> {
         self.with(|c| c.first_sent.requirement = requirement)
     }
 
-    /// How far the clocks of client and server may disagree (default 5 minutes): a
-    /// `Repeatability-First-Sent` further ahead of the server's clock is refused with 400
-    /// `first-sent-invalid`, and up to this much (at most a quarter of the retention) is taken
-    /// off the retention before a first attempt counts as too old.
+    /// How far the clocks of client and server may disagree (default 5 minutes), at most a
+    /// quarter of the retention ([`FirstSentPolicy::margin`]): a `Repeatability-First-Sent`
+    /// further ahead of the server's clock is refused with 400 `first-sent-invalid`, and as
+    /// much is taken off the retention before a first attempt counts as too old. One
+    /// quantity for both, so that a time accepted ahead never outlives its record; a larger
+    /// skew is held to the quarter (`idemkey serve` and `gateway` refuse one at start).
     ///
     /// ```
     /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {

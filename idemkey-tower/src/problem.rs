@@ -200,7 +200,7 @@ impl IntoResponse for IdempotencyRejection {
             } => {
                 more.insert(
                     "first_sent".into(),
-                    serde_json::json!(httpdate::fmt_http_date(first_sent.to_system_time())),
+                    serde_json::json!(idemkey_core::http_date(*first_sent)),
                 );
                 more.insert(
                     "retention_secs".into(),

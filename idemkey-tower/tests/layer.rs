@@ -1220,3 +1220,62 @@ async fn many_late_attempts_at_once_are_all_refused() {
     assert_eq!(effects(&store).await, 0);
     assert_eq!(records(&store).await, 0);
 }
+
+/// A valid date before 1970 is a first attempt very long ago, not a malformed header: 412,
+/// repeating the date as sent; a date that is not one stays 400.
+#[tokio::test]
+async fn a_first_sent_before_1970_is_late_not_malformed() {
+    let (_dir, store) = setup().await;
+    let clock = ManualClock::new();
+    let app = app(layer(&store).clock(clock.clone()));
+    for (date, status, name) in [
+        (
+            "Thu, 01 Jan 1920 00:00:00 GMT",
+            StatusCode::PRECONDITION_FAILED,
+            "first-sent-expired",
+        ),
+        (
+            "Mon, 01 Jan 1920 00:00:00 GMT",
+            StatusCode::BAD_REQUEST,
+            "first-sent-invalid",
+        ),
+    ] {
+        let mut req = request(Some("k-1920"), "{}");
+        req.headers_mut()
+            .insert("repeatability-first-sent", date.parse().unwrap());
+        let answer = send(&app, req).await;
+        let problem = answer.problem(status, name);
+        if status == StatusCode::PRECONDITION_FAILED {
+            assert_eq!(problem["first_sent"], date);
+        }
+        assert_eq!(answer.header("repeatability-result"), Some("rejected"));
+    }
+    assert_eq!(effects(&store).await, 0);
+    assert_eq!(records(&store).await, 0);
+}
+
+/// Retention 8 s with the default 5 min skew: a client whose clock runs 290 s fast would have
+/// its first attempt run and, once the record expired, a retry run again (its first-sent time
+/// not yet counting as late). The allowance ahead is the margin, 2 s: it is refused at once.
+#[tokio::test]
+async fn a_client_clock_290_s_fast_is_not_charged_twice() {
+    let (_dir, store) = setup().await;
+    let clock = ManualClock::new();
+    let app = app(layer(&store)
+        .retention(Duration::from_secs(8))
+        .clock(clock.clone()));
+    let fast = clock.now().plus(Duration::from_secs(290));
+    let first = send(&app, sent_at("k-fast", r#"{"status": 201}"#, fast)).await;
+    let problem = first.problem(StatusCode::BAD_REQUEST, "first-sent-invalid");
+    assert_eq!(
+        problem["detail"],
+        "Repeatability-First-Sent is 290 s ahead of the server's clock, more than the 2 s allowed"
+    );
+    clock.advance(Duration::from_secs(10));
+    idemkey_core::protocol::purge_expired(&store, clock.now(), 100)
+        .await
+        .unwrap();
+    let retry = send(&app, sent_at("k-fast", r#"{"status": 201}"#, fast)).await;
+    retry.problem(StatusCode::BAD_REQUEST, "first-sent-invalid");
+    assert_eq!(effects(&store).await, 0, "charged never, not twice");
+}

@@ -112,10 +112,11 @@ where
             let fields = req.headers().get_all(FIRST_SENT_HEADER);
             let stated = fields.iter().next().is_some();
             let now = config.clock.now();
-            match config
-                .first_sent
-                .read(fields.iter().map(HeaderValue::as_bytes), now)
-            {
+            match config.first_sent.read(
+                fields.iter().map(HeaderValue::as_bytes),
+                now,
+                config.retention,
+            ) {
                 Ok(first_sent) => {
                     Keyed::new(layer, key, req.headers(), first_sent, stated)
                         .run(inner, req)
