@@ -358,6 +358,33 @@ pub async fn lookup<S: Store>(
     answer_from(store, &mut conn, id, decision, existing.as_ref(), now).await
 }
 
+/// Local mode's [`lookup`] for a request whose first attempt is too old for its record to be
+/// trusted to exist ([`FirstSentPolicy::is_late`](crate::FirstSentPolicy::is_late)): the
+/// claim [`begin_claim`] makes, waiting at most a millisecond for another attempt's lock, and
+/// rolled back when it would own the key, so that nothing of it lasts. `None`: nothing
+/// answers (no record, an expired one), refuse the request.
+///
+/// A local claim commits with its effect, so a record read sees no attempt still running;
+/// this claim meets its uncommitted row (PostgreSQL) and answers
+/// [`ClaimOutcome::InFlight`], as [`lookup`] does for an external reservation. On SQLite the
+/// write lock, which any write may hold, is waited for as long as the store's busy time-out,
+/// as any claim does there.
+pub async fn probe<S: Store>(store: &S, claim: &Claim) -> Result<Option<ClaimOutcome>> {
+    match begin_claim(store, claim, Some(Duration::from_millis(1))).await? {
+        (tx, ClaimOutcome::Owned { .. }) => {
+            drop(tx); // rolled back: the key stays free
+            Ok(None)
+        }
+        (tx, outcome) => {
+            // Nothing was written but a possible `indeterminate` mark, which is kept.
+            if let Some(tx) = tx {
+                store.commit(tx).await?;
+            }
+            Ok(Some(outcome))
+        }
+    }
+}
+
 /// "In flight" without a record in hand: no lease and no expiry to tell.
 fn in_flight() -> ClaimOutcome {
     ClaimOutcome::InFlight {

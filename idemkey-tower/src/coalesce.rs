@@ -64,6 +64,14 @@ impl Turns {
         })
     }
 
+    /// Whether an attempt of `digest` is at the store now, without taking a turn.
+    pub(crate) fn going(&self, digest: [u8; 32]) -> bool {
+        let going = self.going.lock().unwrap_or_else(|e| e.into_inner());
+        going
+            .get(&digest)
+            .is_some_and(|other| other.done.has_changed().is_ok())
+    }
+
     /// Attempts at the store now (for tests).
     #[cfg(test)]
     fn len(&self) -> usize {

@@ -307,7 +307,8 @@ impl<S, M: Mode> IdempotencyLayer<S, M> {
     /// A keyed request that states it is refused with 412 `first-sent-expired` when that time
     /// is longer ago than the retention less a margin for clock skew
     /// ([`FirstSentPolicy::margin`]: the skew allowance, at most a quarter of the retention)
-    /// and no live record answers it. Such a request claims nothing; it is only looked up.
+    /// and neither a live record nor an attempt in flight (409) answers it. Nothing such a
+    /// request claims lasts, and it does not wait for an attempt in flight.
     ///
     /// ```
     /// # fn f<S: Clone>(idempotency: idemkey_tower::IdempotencyLayer<S>) {

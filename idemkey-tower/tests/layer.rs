@@ -1221,6 +1221,42 @@ async fn many_late_attempts_at_once_are_all_refused() {
     assert_eq!(records(&store).await, 0);
 }
 
+/// A late retry that arrives while the first attempt still runs (its record not committed
+/// yet) is answered 409 `request-in-flight`, as in external mode, not 412: the first attempt
+/// may still store its outcome, which the next retry then replays.
+#[tokio::test]
+async fn a_late_retry_while_the_first_attempt_runs_is_in_flight() {
+    let (_dir, store) = setup().await;
+    let clock = ManualClock::new();
+    let retention = Duration::from_secs(8); // margin: 2 s
+    let app = app(layer(&store)
+        .retention(retention)
+        .no_replay_cache()
+        .clock(clock.clone()));
+    let sent = clock.now();
+    let gate = Gate::new();
+    let first = tokio::spawn({
+        let (app, gate) = (app.clone(), gate.clone());
+        let mut req = sent_at("k-late-running", r#"{"status": 201}"#, sent);
+        req.extensions_mut().insert(gate);
+        async move { send(&app, req).await }
+    });
+    gate.entered.notified().await;
+    // Past the retention less the margin: late, while the first attempt still runs.
+    clock.advance(Duration::from_secs(7));
+    let retry = send(&app, sent_at("k-late-running", r#"{"status": 201}"#, sent)).await;
+    retry.problem(StatusCode::CONFLICT, "request-in-flight");
+    assert_eq!(retry.header("retry-after"), Some("1"));
+    assert_eq!(retry.header("repeatability-result"), Some("rejected"));
+
+    gate.proceed.add_permits(1);
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    let replay = send(&app, sent_at("k-late-running", r#"{"status": 201}"#, sent)).await;
+    assert!(replay.replayed(), "{:?}", replay.body);
+    assert_eq!(replay.header("repeatability-result"), Some("accepted"));
+    assert_eq!(effects(&store).await, 1);
+}
+
 /// A valid date before 1970 is a first attempt very long ago, not a malformed header: 412,
 /// repeating the date as sent; a date that is not one stays 400.
 #[tokio::test]

@@ -22,6 +22,31 @@ use crate::mode::Mode;
 use crate::tx::{Slot, TxSlot};
 use crate::{IdempotencyLayer, IdempotencyRejection, InFlightPolicy};
 
+impl<S: Store, M: Mode> Keyed<S, M> {
+    /// What answers a request whose first attempt is too old for its record to be trusted to
+    /// exist, claiming nothing that lasts; `None`: nothing does, refuse it. In external mode
+    /// the record as read; in local mode an attempt of the key still running (in this
+    /// process: at the store; elsewhere: its uncommitted claim, met by [`protocol::probe`])
+    /// answers 409 `request-in-flight` at once, as a reservation does.
+    pub(super) async fn look_up_late(
+        &self,
+        claim: &Claim,
+    ) -> Result<Option<ClaimOutcome>, Response> {
+        if self.layer.mode.external().is_some() {
+            return self.look_up(&claim.id, claim).await;
+        }
+        // Not a turn of its own: late attempts of one key judged at once do not wait for
+        // each other, and none of them is in flight.
+        if self.config.turns.going(claim.id.digest()) {
+            return Ok(Some(ClaimOutcome::InFlight {
+                lease_expires_at: None,
+                expires_at: None,
+            }));
+        }
+        self.found(protocol::probe(&self.layer.store, claim)).await
+    }
+}
+
 /// Claims the key in a new transaction, runs the handler on it, and stores its answer in it
 /// when the route's rule says so (then commits; otherwise rolls back: no record, no effect).
 pub(super) async fn run<S, M, I>(

@@ -342,7 +342,16 @@ impl<S: Store, M: Mode> Keyed<S, M> {
         claim: &Claim,
     ) -> Result<Option<ClaimOutcome>, Response> {
         let store = &self.layer.store;
-        match protocol::lookup(store, id, &claim.fingerprint, claim.first_sent, claim.now).await {
+        let read = protocol::lookup(store, id, &claim.fingerprint, claim.first_sent, claim.now);
+        self.found(read).await
+    }
+
+    /// What `read`, a read of the store, found; a store failure is the answer.
+    async fn found(
+        &self,
+        read: impl Future<Output = protocol::Result<Option<ClaimOutcome>>>,
+    ) -> Result<Option<ClaimOutcome>, Response> {
+        match read.await {
             Ok(outcome) => Ok(outcome),
             Err(protocol::Error::Store(e)) => {
                 Err(self.finish(Outcome::StoreError, store_unavailable(&e)))
@@ -501,12 +510,12 @@ impl<S: Store, M: Mode> Keyed<S, M> {
                 }
             }
             // A first attempt too old for its record to be trusted to exist: a live record
-            // answers, else the request is refused. Nothing is claimed, so no attempt of it
-            // can run.
+            // or an attempt in flight answers, else the request is refused. Nothing it
+            // claims lasts, so no attempt of it can run.
             if let Some(sent) = claim.first_sent
                 && config.first_sent.is_late(sent, claim.now, config.retention)
             {
-                return match self.look_up(&claim.id, &claim).await {
+                return match self.look_up_late(&claim).await {
                     Ok(Some(outcome)) => {
                         self.answer_existing(outcome, &claim.id, &claim.fingerprint)
                     }
