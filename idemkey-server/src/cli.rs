@@ -692,21 +692,35 @@ pub struct FirstSentArgs {
     #[arg(long = "first-sent", value_enum, default_value_t = FirstSentArg::Optional)]
     pub requirement: FirstSentArg,
     /// How far client and server clocks may disagree: a first-sent time further ahead is
-    /// refused (400), and up to this much (at most a quarter of --retention) is taken off the
-    /// retention before a first attempt counts as too old.
-    #[arg(long = "first-sent-skew", default_value = "5m", value_parser = parse_skew)]
-    pub skew: Duration,
+    /// refused (400), and as much is taken off the retention before a first attempt counts
+    /// as too old. At most a quarter of --retention; default 5m, or that quarter when less.
+    #[arg(long = "first-sent-skew", value_name = "SKEW", value_parser = parse_skew)]
+    pub skew: Option<Duration>,
 }
 
 impl FirstSentArgs {
-    /// The policy these flags name.
-    pub fn policy(&self) -> FirstSentPolicy {
-        FirstSentPolicy {
+    /// The policy these flags name for `retention` (`--retention`). A skew given over a
+    /// quarter of it is refused: a first-sent time accepted that far ahead would count as
+    /// late only after its record expired, and a retry in between would run again.
+    pub fn policy(&self, retention: Duration) -> Result<FirstSentPolicy, String> {
+        let policy = FirstSentPolicy {
             requirement: match self.requirement {
                 FirstSentArg::Optional => FirstSentRequirement::Optional,
                 FirstSentArg::Required => FirstSentRequirement::Required,
             },
-            skew: self.skew,
+            skew: self.skew.unwrap_or(FirstSentPolicy::DEFAULT_SKEW),
+        };
+        let held = policy.margin(retention);
+        match self.skew {
+            Some(skew) if skew > held => Err(format!(
+                "--first-sent-skew {} is more than a quarter of --retention {}: a first-sent time \
+                 that far ahead would outlive its record; give --first-sent-skew {} or less, or a \
+                 longer --retention",
+                humantime::format_duration(skew),
+                humantime::format_duration(retention),
+                humantime::format_duration(held),
+            )),
+            _ => Ok(policy),
         }
     }
 }

@@ -63,7 +63,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 purge_interval: args.purge_interval,
                 outbox: args.outbox.clone(),
                 limits: args.limits.limits(),
-                first_sent: args.first_sent.policy(),
+                first_sent: args
+                    .first_sent
+                    .policy(args.retention)
+                    .map_err(anyhow::Error::msg)?,
             };
             // Under `reject`, SQLite still waits for its single write lock (the default busy
             // time-out): refusing at once would refuse every concurrent write, any key.

@@ -376,7 +376,10 @@ impl GatewayOptions {
             max_stored_response: args.max_stored_response,
             retention: args.retention,
             tenants: args.tenant_source().map_err(anyhow::Error::msg)?,
-            first_sent: args.first_sent.policy(),
+            first_sent: args
+                .first_sent
+                .policy(args.retention)
+                .map_err(anyhow::Error::msg)?,
             database_url: args.database_url.clone(),
             secret: args.secret.clone(),
             key_secret_in_database: args.key_secret_in_database,
