@@ -14,7 +14,13 @@ fn a_skew_over_a_quarter_of_the_retention_is_refused_at_start() {
     let url = format!("sqlite:{}", dir.path().join("skew.db").display());
     for command in [
         &["serve", "--api-key", "t=tok-skew-test"][..],
-        &["gateway", "--upstream", "http://127.0.0.1:9", "--single-tenant", "t"],
+        &[
+            "gateway",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--single-tenant",
+            "t",
+        ],
     ] {
         let log = dir.path().join("stderr.log");
         let mut child = Command::new(env!("CARGO_BIN_EXE_idemkey"))

@@ -114,7 +114,10 @@ async fn a_late_retry_on_another_instance_meets_the_running_claim() {
     assert_eq!(first.await.unwrap().0, StatusCode::CREATED);
     let (status, replayed, _) = send(&other, request(sent)).await;
     assert_eq!(status, StatusCode::CREATED);
-    assert!(replayed, "the late retry replays the first attempt's outcome");
+    assert!(
+        replayed,
+        "the late retry replays the first attempt's outcome"
+    );
     let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
         .fetch_one(store.pool())
         .await
