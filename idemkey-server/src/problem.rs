@@ -2,11 +2,13 @@
 //!
 //! Its own problem types are declared here ([`PAYMENTS`]), with the macro of the registry,
 //! [`idemkey_core::problem`], whose types it answers too (`internal-error`,
-//! `store-unavailable`, `server-overloaded`, `unauthorized`). A test checks
-//! `docs/guide/contract.md` against both.
+//! `store-unavailable`, `server-overloaded`, `unauthorized`); so are the HTTP server's
+//! ([`HTTP_SERVER`]), which `serve` and `gateway` answer to a request no route runs. A test
+//! checks `docs/guide/contract.md` against every list.
 
+use axum::Router;
 use axum::response::{IntoResponse, Response};
-use http::{HeaderValue, header};
+use http::{HeaderValue, Method, Uri, header};
 use idemkey_core::problem::{self, ProblemType};
 use idemkey_tower::problem_response;
 
@@ -31,6 +33,54 @@ pub const PAYMENTS: &[ProblemType] = &[
     NOT_FOUND,
     PAYMENT_REFERENCE_USED,
 ];
+
+idemkey_core::problem_types! {
+    /// `serve` and `gateway`: the request line or a header field is not HTTP/1.1; nothing was
+    /// run and the connection is closed.
+    REQUEST_MALFORMED = "request-malformed", 400, "Malformed request", retry: false;
+    /// `serve` and `gateway`: the request target is longer than the server reads; nothing
+    /// was run and the connection is closed.
+    URI_TOO_LONG = "uri-too-long", 414, "URI too long", retry: false;
+    /// `serve` and `gateway`: the header section has more fields or bytes than the server
+    /// reads; nothing was run and the connection is closed.
+    HEADERS_TOO_LARGE = "headers-too-large", 431, "Request header fields too large",
+        retry: false;
+    /// `serve`: no route has this path.
+    ROUTE_NOT_FOUND = "route-not-found", 404, "Route not found", retry: false;
+    /// `serve` and `gateway`: the route exists, without this method; `Allow` lists its methods.
+    METHOD_NOT_ALLOWED = "method-not-allowed", 405, "Method not allowed", retry: false;
+}
+
+/// The HTTP server's problem types: what `serve` and `gateway` answer to a request that no
+/// route runs (a head that cannot be read, a path or a method no route has). The server
+/// answers `server-overloaded` too, which is the contract's.
+pub const HTTP_SERVER: &[ProblemType] = &[
+    REQUEST_MALFORMED,
+    URI_TOO_LONG,
+    HEADERS_TOO_LARGE,
+    ROUTE_NOT_FOUND,
+    METHOD_NOT_ALLOWED,
+];
+
+/// `router` answering a path no route has with 404 `route-not-found`, and a method its
+/// route lacks with 405 `method-not-allowed` (see [`method_not_allowed`]).
+pub(crate) fn route_not_found(router: Router) -> Router {
+    method_not_allowed(router.fallback(|method: Method, uri: Uri| async move {
+        ApiError::RouteNotFound(format!("{method} {}", uri.path())).into_response()
+    }))
+}
+
+/// `router` answering a method that a route of it lacks with 405 `method-not-allowed`; the
+/// `Allow` header axum sets is kept. Only the routes `router` has so far get it.
+pub(crate) fn method_not_allowed(router: Router) -> Router {
+    router.method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+        ApiError::MethodNotAllowed {
+            method,
+            path: uri.path().to_owned(),
+        }
+        .into_response()
+    })
+}
 
 /// An error of the payments API.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +108,21 @@ pub(crate) enum ApiError {
     /// The server holds its limit of client connections (the number); the request was not
     /// run. Answered with `Retry-After`.
     Overloaded(usize),
+    /// The request head could not be parsed.
+    RequestMalformed,
+    /// The request target is too long.
+    UriTooLong,
+    /// The header section is too large.
+    HeadersTooLarge,
+    /// No route has the path of this request (`METHOD /path`).
+    RouteNotFound(String),
+    /// The route of this path lacks this method.
+    MethodNotAllowed {
+        /// The request's method.
+        method: Method,
+        /// The request's path.
+        path: String,
+    },
 }
 
 impl IntoResponse for ApiError {
@@ -91,6 +156,32 @@ impl IntoResponse for ApiError {
                 ),
                 None,
             ),
+            Self::RequestMalformed => (
+                &REQUEST_MALFORMED,
+                "the request line or a header field is not HTTP/1.1; nothing was executed"
+                    .to_owned(),
+                None,
+            ),
+            Self::UriTooLong => (
+                &URI_TOO_LONG,
+                "the request target is longer than 65,534 bytes; nothing was executed".to_owned(),
+                None,
+            ),
+            Self::HeadersTooLarge => (
+                &HEADERS_TOO_LARGE,
+                "the header section has more than 100 fields, or more bytes than the server \
+                 reads (about 400 KiB); nothing was executed"
+                    .to_owned(),
+                None,
+            ),
+            Self::RouteNotFound(request) => {
+                (&ROUTE_NOT_FOUND, format!("no route for {request}"), None)
+            }
+            Self::MethodNotAllowed { method, path } => (
+                &METHOD_NOT_ALLOWED,
+                format!("{path} does not take {method}; Allow lists the methods it takes"),
+                None,
+            ),
         };
         let mut more = serde_json::Map::new();
         if let Some(errors) = errors {
@@ -119,7 +210,13 @@ mod tests {
 
     #[test]
     fn its_own_types_are_not_the_registrys() {
-        for p in PAYMENTS {
+        let own: Vec<&ProblemType> = PAYMENTS.iter().chain(HTTP_SERVER).collect();
+        for (i, p) in own.iter().enumerate() {
+            assert!(
+                own[i + 1..].iter().all(|q| q.name != p.name),
+                "{} is declared twice",
+                p.name
+            );
             assert_eq!(p.uri, format!("{}{}", problem::PROBLEM_TYPE_PREFIX, p.name));
             assert!(StatusCode::from_u16(p.status).is_ok(), "{}", p.name);
             assert!(

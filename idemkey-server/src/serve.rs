@@ -279,7 +279,9 @@ where
             }
         };
         let (db, secrets) = db;
-        let router = app(db.clone(), &secrets, metrics.clone(), &config);
+        // A path or a method no route has is answered problem+json, as every error is.
+        let router =
+            crate::problem::route_not_found(app(db.clone(), &secrets, metrics.clone(), &config));
         let _ = ready.set(router);
         if announced {
             tracing::info!("the database is reachable and migrated; serving");

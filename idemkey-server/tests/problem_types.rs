@@ -1,5 +1,6 @@
 //! `docs/guide/contract.md` against every declared list of problem types: the registry of
-//! `idemkey_core::problem` (the contract's and the gateway's) and the payments API's own
+//! `idemkey_core::problem` (the contract's and the gateway's), the HTTP server's
+//! (`idemkey_server::problem::HTTP_SERVER`) and the payments API's own
 //! (`idemkey_server::problem::PAYMENTS`): the same types, and in its tables the same status and
 //! the same retry answer for each.
 
@@ -76,12 +77,16 @@ fn cells_of(line: &str) -> Vec<&str> {
     inner.split('|').map(str::trim).collect()
 }
 
-/// Every declared problem type: the registry's lists, then the payments API's.
+/// Every declared problem type: the registry's lists, then the HTTP server's and the
+/// payments API's.
 fn declared() -> impl Iterator<Item = &'static ProblemType> {
     problem::REGISTRY
         .iter()
         .copied()
-        .chain([idemkey_server::problem::PAYMENTS])
+        .chain([
+            idemkey_server::problem::HTTP_SERVER,
+            idemkey_server::problem::PAYMENTS,
+        ])
         .flatten()
 }
 

@@ -315,6 +315,247 @@ async fn past_the_connection_limit_a_client_gets_503_server_overloaded_and_nothi
     backend.snapshot().await.assert_consistent(1);
 }
 
+/// How long a socket past the limit may wait for its answer and the close (a hang guard:
+/// the server writes both when it accepts the socket).
+const REFUSAL_BOUND: Duration = Duration::from_secs(15);
+
+/// Reads `stream` until the server closes it (a reset counts as closed), within `bound`.
+async fn read_to_close(mut stream: TcpStream, bound: Duration) -> Result<String, String> {
+    let mut received = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read_all = async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => received.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    match tokio::time::timeout(bound, read_all).await {
+        Ok(()) => Ok(String::from_utf8_lossy(&received).into_owned()),
+        Err(_) => Err(format!(
+            "the server neither answered nor closed within {bound:?}; got {:?}",
+            String::from_utf8_lossy(&received)
+        )),
+    }
+}
+
+/// Asserts the whole 503 `server-overloaded` answer a socket past the limit gets.
+#[track_caller]
+fn assert_overloaded(answer: &str) {
+    let (head, body) = answer
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no whole answer: {answer:?}"));
+    let head = head.to_ascii_lowercase();
+    assert!(
+        head.starts_with("http/1.1 503 service unavailable\r\n"),
+        "{answer}"
+    );
+    for field in [
+        "content-type: application/problem+json",
+        "retry-after: 1",
+        "connection: close",
+        &format!("content-length: {}", body.len()),
+    ] {
+        assert!(head.contains(field), "no {field}: {answer}");
+    }
+    let problem: serde_json::Value = serde_json::from_str(body).expect("a JSON body");
+    assert_eq!(problem["type"], "urn:idemkey:problem:server-overloaded");
+    assert_eq!(problem["status"], 503);
+}
+
+/// A new connection to `address`, within [`REFUSAL_BOUND`]: a server that stops accepting
+/// fills its queue, and a connect then waits for minutes.
+async fn connect(address: &str) -> TcpStream {
+    tokio::time::timeout(REFUSAL_BOUND, TcpStream::connect(address))
+        .await
+        .unwrap_or_else(|_| {
+            panic!("no connection within {REFUSAL_BOUND:?}: the server stopped accepting")
+        })
+        .expect("connect")
+}
+
+/// `GET /healthz` on a connection of its own, read until the server closes it: any client
+/// that reads what comes (past the limit, the 503 may come before the request is sent).
+async fn healthz(address: &str) -> String {
+    let mut stream = connect(address).await;
+    let request = format!("GET /healthz HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    // Refused before it was sent, the request may meet a closed socket.
+    let _ = stream.write_all(request.as_bytes()).await;
+    read_to_close(stream, REFUSAL_BOUND)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Asks [`healthz`] until the server answers 200 (a bounded poll: the server frees a slot
+/// once it sees its connection closed); returns how many times it was refused.
+async fn until_served(address: &str) -> u64 {
+    let mut refused = 0;
+    loop {
+        assert!(refused < 500, "the slots were not freed");
+        let answer = healthz(address).await;
+        if answer.starts_with("HTTP/1.1 200") {
+            return refused;
+        }
+        assert_overloaded(&answer);
+        refused += 1;
+        tokio::task::yield_now().await;
+    }
+}
+
+/// The lines of a server log that report connections refused at the limit, each with the
+/// count it reports (1 when it gives none).
+fn refusal_reports(log: &str) -> Vec<u64> {
+    // The log may be coloured: drop the escape sequences.
+    let mut plain = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|c| c.is_ascii_alphabetic());
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("at the client connection limit"))
+        .map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.strip_prefix("refused="))
+                .map_or(1, |n| n.parse().expect("a count"))
+        })
+        .collect()
+}
+
+/// Sockets past the limit, which never send a byte, each get the 503 and are closed at once:
+/// the server holds none of them. The log reports them in a line or two, with their count,
+/// rather than one line each; and the server answers again once its slots are free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn past_the_connection_limit_sockets_are_answered_and_closed_at_once_and_logged_in_one_line()
+{
+    const OVER: u64 = 300;
+    let started = std::time::Instant::now();
+    let backend = Backend::sqlite().await;
+    let long = [
+        "--max-client-connections",
+        "3",
+        "--header-read-timeout",
+        "10m",
+        "--idle-timeout",
+        "10m",
+    ];
+    let mut server = backend.start(&long).await;
+    let address = address(server.base());
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(SlowSocket::open(&address, Slow::Silent, "", "").await);
+    }
+
+    let mut over = Vec::new();
+    for _ in 0..OVER {
+        over.push(connect(&address).await);
+    }
+    let answers = over
+        .into_iter()
+        .map(|s| tokio::spawn(read_to_close(s, REFUSAL_BOUND)));
+    for answer in futures::future::join_all(answers).await {
+        assert_overloaded(&answer.unwrap().unwrap_or_else(|e| panic!("{e}")));
+    }
+
+    // The held connections keep their slots until they close; then a request is served.
+    drop(held);
+    let refused_after = until_served(&address).await;
+
+    // The count not reported yet is written at shutdown.
+    server.sigterm();
+    assert!(server.wait_exit(CLOSE_BOUND).await.success());
+    let reports = refusal_reports(&server.log());
+    assert_eq!(
+        reports.iter().sum::<u64>(),
+        OVER + refused_after,
+        "{reports:?}"
+    );
+    // One line at the first refusal, one per 10 s period after, one at shutdown.
+    let bound = 2 + started.elapsed().as_secs() / 10;
+    assert!(
+        reports.len() as u64 <= bound,
+        "{} refusal lines for {} refusals: {reports:?}",
+        reports.len(),
+        OVER + refused_after
+    );
+}
+
+/// A child process killed (and reaped) when dropped.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Under an open-file limit the connection limit just fits, a burst of sockets past the
+/// limit, which the clients keep open, uses up no descriptor of the server: a new request
+/// is answered (503, the slots being held) rather than left waiting, and once the slots
+/// are free it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_past_the_connection_limit_under_a_low_open_file_limit_leaves_the_server_answering()
+{
+    const OPEN_FILES: usize = 128;
+    const LIMIT: usize = OPEN_FILES - 64 - 32;
+    const BURST: usize = 4 * OPEN_FILES;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let url = format!("sqlite:{}", dir.path().join("idemkey.db").display());
+    let log = dir.path().join("serve.log");
+    let limit = LIMIT.to_string();
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -n {OPEN_FILES} && exec \"$0\" \"$@\""))
+        .arg(env!("CARGO_BIN_EXE_idemkey"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--database-url", &url])
+        .args(["--api-key", "t1=tok1", "--max-client-connections", &limit])
+        .args(["--header-read-timeout", "10m", "--idle-timeout", "10m"])
+        .env_remove("IDEMKEY_API_KEYS")
+        .env_remove("IDEMKEY_KEY_SECRET")
+        .env_remove("IDEMKEY_DATABASE_URL")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("start idemkey serve");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let _server = Killed(child);
+    let (started, _) = common::read_stdout(stdout, "idemkey listening on ");
+    let base = tokio::task::spawn_blocking(move || started.recv_timeout(CLOSE_BOUND))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| {
+            panic!(
+                "serve did not start ({e}): {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            )
+        });
+    let address = address(&base);
+
+    let mut held = Vec::new();
+    for _ in 0..LIMIT {
+        held.push(SlowSocket::open(&address, Slow::Silent, "", "").await);
+    }
+    let mut burst = Vec::new();
+    for _ in 0..BURST {
+        burst.push(connect(&address).await);
+    }
+
+    // Answered at once: not left waiting for a descriptor.
+    assert_overloaded(&healthz(&address).await);
+
+    drop(burst);
+    drop(held);
+    until_served(&address).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shutdown_closes_idle_and_silent_connections_at_once() {
     let backend = Backend::sqlite().await;
