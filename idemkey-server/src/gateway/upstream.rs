@@ -135,7 +135,9 @@ impl Connections {
     /// A new connection of its own for one request, within the connect time-out; it ends
     /// once the request's answer has been read (or dropped). An error means nothing was sent.
     pub(super) async fn open(&self) -> io::Result<SendRequest<Body>> {
-        let (sender, _, _) = self.connect().await?;
+        let (sender, wire, _) = self.connect().await?;
+        // Its one answer may come at any time.
+        wire.lock().phase = Phase::Written;
         Ok(sender)
     }
 
@@ -237,7 +239,8 @@ enum Phase {
     Idle,
     /// A request is being written; `body_sent` once its body was handed over whole.
     Writing { body_sent: bool },
-    /// The request was written whole: its answer may come.
+    /// The request was written whole (on a connection of its own for one request: from the
+    /// start): its answer may come.
     Written,
     /// Bytes arrived while no request was outstanding: the connection is not used again.
     Spoiled,
@@ -250,12 +253,24 @@ impl WireState {
         if self.phase != Phase::Idle {
             return false;
         }
-        if matches!(peek(&self.stream), Err(rustix::io::Errno::WOULDBLOCK)) {
-            true
-        } else {
-            self.phase = Phase::Spoiled;
-            false
+        match peek(&self.stream) {
+            Err(rustix::io::Errno::WOULDBLOCK) => true,
+            // Closed by the upstream, or unusable.
+            Ok(0) | Err(_) => false,
+            Ok(_) => {
+                self.spoil();
+                false
+            }
         }
+    }
+
+    /// Notes that bytes arrived with no request outstanding.
+    fn spoil(&mut self) {
+        tracing::warn!(
+            "the upstream wrote on a kept connection with no request outstanding \
+             (an extra answer?); the connection is closed"
+        );
+        self.phase = Phase::Spoiled;
     }
 }
 
@@ -281,7 +296,7 @@ impl AsyncRead for WireIo {
         let before = buf.filled().len();
         let read = Pin::new(&mut wire.stream).poll_read(cx, buf);
         if buf.filled().len() > before && wire.phase == Phase::Idle {
-            wire.phase = Phase::Spoiled;
+            wire.spoil();
         }
         read
     }
