@@ -47,7 +47,8 @@ idemkey_core::problem_types! {
         retry: false;
     /// `serve`: no route has this path.
     ROUTE_NOT_FOUND = "route-not-found", 404, "Route not found", retry: false;
-    /// `serve` and `gateway`: the route exists, without this method; `Allow` lists its methods.
+    /// `serve` and `gateway`: the route exists, without this method (the gateway: `CONNECT`,
+    /// which it does not forward); `Allow` lists its methods.
     METHOD_NOT_ALLOWED = "method-not-allowed", 405, "Method not allowed", retry: false;
 }
 

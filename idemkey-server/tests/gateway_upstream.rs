@@ -1,12 +1,14 @@
 //! `idemkey gateway` in front of upstreams that break HTTP/1.1's pairing of answers with
 //! requests (a raw `TcpListener` on loopback that writes what it likes), with two tenants,
-//! and requests it must forward whole.
+//! and requests it must refuse or forward whole.
 //!
 //! - An upstream that writes an answer once too often on a kept connection: no tenant ever
 //!   gets, or has stored, an answer to another tenant's request.
 //! - An upstream that answers before it has read the whole request: the answer is not
 //!   stored; the operation is left indeterminate (504 `upstream-outcome-unknown`, then 409
 //!   `outcome-unknown`).
+//! - `CONNECT`, which a reverse proxy cannot carry: 405 `method-not-allowed` with `Allow`,
+//!   nothing forwarded, keyed route or not.
 //! - A `GET` with a chunked body: forwarded with its body.
 
 mod common;
@@ -300,6 +302,46 @@ async fn raw(gateway: &Gateway, request: &str) -> String {
         .expect("the gateway answers")
         .expect("read");
     String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_is_refused_not_forwarded() {
+    let (upstream, seen) = echo_upstream();
+    let dir = tempfile::tempdir().expect("temporary directory");
+    // Every method on every path is keyed (required), or keyless requests are plain: both
+    // refuse.
+    for route in [
+        &["--route", "* *"][..],
+        &["--optional-route", "* *"][..],
+        &[],
+    ] {
+        let gateway = gateway(&upstream, &dir, route).await;
+        for key in ["", "idempotency-key: c1\r\n"] {
+            let answer = raw(
+                &gateway,
+                &format!(
+                    "CONNECT 127.0.0.1:9 HTTP/1.1\r\nhost: 127.0.0.1:9\r\n\
+                     authorization: Bearer tok1\r\n{key}connection: close\r\n\r\n"
+                ),
+            )
+            .await;
+            let lower = answer.to_ascii_lowercase();
+            assert!(answer.starts_with("HTTP/1.1 405 "), "{route:?}: {answer}");
+            assert!(
+                lower.contains("content-type: application/problem+json"),
+                "{answer}"
+            );
+            assert!(
+                lower.contains("allow: get, head, options, post, put, patch, delete\r\n"),
+                "{answer}"
+            );
+            assert!(
+                answer.contains("urn:idemkey:problem:method-not-allowed"),
+                "{answer}"
+            );
+        }
+    }
+    assert!(seen.lock().unwrap().is_empty(), "CONNECT was forwarded");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,7 +13,7 @@ use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use http::request::Parts;
-use http::{HeaderValue, header};
+use http::{HeaderValue, Method, header};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Body as _;
 use idemkey_core::HEADER_NAME;
@@ -57,8 +57,12 @@ pub(super) fn keyed_route<S: GatewayDb>(
     axum::Router::new().fallback_service(layer.handler_service(forward_keyed::<S>, forwarder))
 }
 
-/// Every request that is not the gateway's own.
+/// Every request that is not the gateway's own: refused when it asks for a tunnel
+/// (`CONNECT`), which a reverse proxy does not open; else forwarded.
 pub(super) async fn handle<S: GatewayDb>(State(gw): State<Gateway<S>>, req: Request) -> Response {
+    if req.method() == Method::CONNECT {
+        return GatewayRejection::NotForwarded(Method::CONNECT).into_response();
+    }
     let rule = if is_safe(req.method()) {
         None
     } else {

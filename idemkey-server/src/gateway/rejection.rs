@@ -1,12 +1,14 @@
-//! The gateway's own error answers: about its tenants and its upstream. Each case names its
-//! problem type next to its definition; the types are declared in the registry's list of the
-//! gateway's ([`idemkey_core::problem::GATEWAY`]), so that a client knows whether to retry
-//! them. Everything else the gateway answers is the layer's ([`IdempotencyRejection`](idemkey_tower::IdempotencyRejection)).
+//! The gateway's own error answers: about its tenants, its upstream and what it cannot
+//! proxy. Each case names its problem type next to its definition; the types are declared in
+//! the registry's list of the gateway's ([`idemkey_core::problem::GATEWAY`]), so that a client
+//! knows whether to retry them, but for a method it does not forward, which is the HTTP
+//! server's 405 ([`crate::problem::HTTP_SERVER`]). Everything else the gateway answers is the
+//! layer's ([`IdempotencyRejection`](idemkey_tower::IdempotencyRejection)).
 
 use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
-use http::{HeaderValue, StatusCode, header};
+use http::{HeaderValue, Method, StatusCode, header};
 use idemkey_core::problem::{self, ProblemType};
 use idemkey_tower::problem_response;
 
@@ -42,7 +44,15 @@ pub enum GatewayRejection {
     /// the outcome and nothing protects a retry.
     #[error("the upstream service gave no complete answer")]
     UpstreamFailed,
+    /// A method the gateway does not forward: `CONNECT` asks for a tunnel, which a reverse
+    /// proxy does not open. Nothing was forwarded; `Allow` lists the methods it forwards.
+    #[error("the gateway does not forward {0}: it forwards requests, it opens no tunnels")]
+    NotForwarded(Method),
 }
+
+/// The `Allow` of [`GatewayRejection::NotForwarded`]: the methods of HTTP's own the gateway
+/// forwards (others, registered or not, it forwards too).
+const FORWARDED: &str = "GET, HEAD, OPTIONS, POST, PUT, PATCH, DELETE";
 
 impl GatewayRejection {
     /// The problem type of this answer: its `type`, status and title, and whether a client
@@ -53,6 +63,7 @@ impl GatewayRejection {
             Self::UpstreamUnavailable { .. } => &problem::UPSTREAM_UNAVAILABLE,
             Self::UpstreamOutcomeUnknown { .. } => &problem::UPSTREAM_OUTCOME_UNKNOWN,
             Self::UpstreamFailed => &problem::UPSTREAM_FAILED,
+            Self::NotForwarded(_) => &crate::problem::METHOD_NOT_ALLOWED,
         }
     }
 
@@ -80,10 +91,15 @@ impl IntoResponse for GatewayRejection {
             retry_after,
             status_url,
         );
-        if matches!(self, Self::Unauthorized | Self::Unauthenticated) {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        let headers = response.headers_mut();
+        match self {
+            Self::Unauthorized | Self::Unauthenticated => {
+                headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            Self::NotForwarded(_) => {
+                headers.insert(header::ALLOW, HeaderValue::from_static(FORWARDED));
+            }
+            _ => {}
         }
         response
     }
@@ -96,7 +112,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_rejection_is_one_of_the_gateways_types() {
+    fn every_rejection_is_one_of_the_gateways_types_or_the_servers_405() {
         let all = [
             GatewayRejection::Unauthorized,
             GatewayRejection::Unauthenticated,
@@ -107,10 +123,15 @@ mod tests {
                 status_url: "/idempotency-keys/k".into(),
             },
             GatewayRejection::UpstreamFailed,
+            GatewayRejection::NotForwarded(Method::CONNECT),
         ];
         for rejection in all {
             let p = rejection.problem();
-            assert!(problem::GATEWAY.contains(p), "{}", p.name);
+            let types = match rejection {
+                GatewayRejection::NotForwarded(_) => crate::problem::HTTP_SERVER,
+                _ => problem::GATEWAY,
+            };
+            assert!(types.contains(p), "{}", p.name);
             let response = rejection.into_response();
             assert_eq!(response.status().as_u16(), p.status);
             assert_eq!(response.headers()[header::CONTENT_TYPE], PROBLEM_JSON);
