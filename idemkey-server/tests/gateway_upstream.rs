@@ -4,6 +4,8 @@
 //!
 //! - An upstream that writes an answer once too often on a kept connection: no tenant ever
 //!   gets, or has stored, an answer to another tenant's request.
+//! - A reconcile endpoint that does the same: no tenant's operation is settled with the
+//!   answer about another's.
 //! - An upstream that answers before it has read the whole request: the answer is not
 //!   stored; the operation is left indeterminate (504 `upstream-outcome-unknown`, then 409
 //!   `outcome-unknown`).
@@ -37,11 +39,14 @@ enum Misbehaviour {
     /// Answers a request as soon as it has read its head, without reading its body, and
     /// holds the connection until released.
     AnswersBeforeTheBody,
+    /// Closes the connection on a `POST` once read, without an answer (its outcome is
+    /// unknown); answers a `GET` (the reconciler's) as [`Self::RepeatsTheLastAnswer`] does.
+    LosesWritesRepeatsLookups,
 }
 
 /// A raw HTTP/1.1 upstream on loopback. Its answer to a request is 201 with JSON naming the
 /// request's `Authorization` (the gateway forwards it: it tells the tenant), its
-/// `Idempotency-Key` and the connection it came on.
+/// `Idemkey-Tenant` (the reconciler's), its `Idempotency-Key` and the connection it came on.
 struct RawUpstream {
     base: String,
     /// Requests that reached it.
@@ -74,12 +79,15 @@ impl RawUpstream {
     }
 }
 
-/// One request's head: its header fields, lower-cased names.
-struct Head(Vec<(String, String)>);
+/// One request's head: its method, and its header fields with lower-cased names.
+struct Head {
+    method: String,
+    fields: Vec<(String, String)>,
+}
 
 impl Head {
     fn get(&self, name: &str) -> Option<&str> {
-        self.0
+        self.fields
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, v)| v.as_str())
@@ -93,13 +101,14 @@ async fn read_head(stream: &mut TcpStream, buffered: &mut Vec<u8>) -> Option<Hea
         if let Some(end) = buffered.windows(4).position(|w| w == b"\r\n\r\n") {
             let head = String::from_utf8_lossy(&buffered[..end]).into_owned();
             buffered.drain(..end + 4);
+            let method = head.split(' ').next().unwrap_or_default().to_owned();
             let fields = head
                 .lines()
                 .skip(1)
                 .filter_map(|line| line.split_once(':'))
                 .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
                 .collect();
-            return Some(Head(fields));
+            return Some(Head { method, fields });
         }
         let mut chunk = [0u8; 4096];
         match stream.read(&mut chunk).await {
@@ -112,6 +121,7 @@ async fn read_head(stream: &mut TcpStream, buffered: &mut Vec<u8>) -> Option<Hea
 fn answer(head: &Head, connection: usize) -> Vec<u8> {
     let body = json!({
         "authorization": head.get("authorization"),
+        "tenant": head.get("idemkey-tenant"),
         "key": head.get("idempotency-key"),
         "connection": connection,
     })
@@ -135,34 +145,35 @@ async fn serve(
     while let Some(head) = read_head(&mut stream, &mut buffered).await {
         requests.fetch_add(1, Ordering::SeqCst);
         let this = answer(&head, connection);
-        match misbehaviour {
-            Misbehaviour::RepeatsTheLastAnswer => {
-                let length: usize = head
-                    .get("content-length")
-                    .and_then(|l| l.parse().ok())
-                    .unwrap_or(0);
-                while buffered.len() < length {
-                    let mut chunk = [0u8; 4096];
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buffered.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                buffered.drain(..length);
-                let mut out = last.take().unwrap_or_default();
-                out.extend_from_slice(&this);
-                if stream.write_all(&out).await.is_err() {
-                    return;
-                }
-                last = Some(this);
+        if let Misbehaviour::AnswersBeforeTheBody = misbehaviour {
+            if stream.write_all(&this).await.is_ok() {
+                release.notified().await;
             }
-            Misbehaviour::AnswersBeforeTheBody => {
-                if stream.write_all(&this).await.is_ok() {
-                    release.notified().await;
-                }
-                return;
+            return;
+        }
+        let length: usize = head
+            .get("content-length")
+            .and_then(|l| l.parse().ok())
+            .unwrap_or(0);
+        while buffered.len() < length {
+            let mut chunk = [0u8; 4096];
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buffered.extend_from_slice(&chunk[..n]),
             }
         }
+        buffered.drain(..length);
+        if let Misbehaviour::LosesWritesRepeatsLookups = misbehaviour
+            && head.method == "POST"
+        {
+            return;
+        }
+        let mut out = last.take().unwrap_or_default();
+        out.extend_from_slice(&this);
+        if stream.write_all(&out).await.is_err() {
+            return;
+        }
+        last = Some(this);
     }
 }
 
@@ -271,6 +282,42 @@ async fn an_answer_before_the_whole_request_is_not_stored() {
         retried.body
     );
     assert_eq!(upstream.requests.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_extra_lookup_answer_never_settles_another_tenants_operation() {
+    let upstream = RawUpstream::start(Misbehaviour::LosesWritesRepeatsLookups).await;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let lookup = format!("{}/v1/lookup?key={{key}}", upstream.base);
+    let reconciling = ["--reconcile-url", &lookup, "--reconcile-interval", "100ms"];
+    let gateway = gateway(&upstream.base, &dir, &reconciling).await;
+    let tenants = [("tok1", "t1", "u1"), ("tok2", "t2", "u2")];
+    for (token, _, key) in tenants {
+        let lost = post(&gateway, token, key, b"{}".to_vec()).await;
+        assert_eq!(lost.status, 504, "{key}: {}", lost.body);
+    }
+    // A bounded poll until the reconciler has settled both.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    for (token, tenant, key) in tenants {
+        let settled = loop {
+            let answer = post(&gateway, token, key, b"{}".to_vec()).await;
+            if answer.status != 409 {
+                break answer;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{key} never settled: {}",
+                answer.body
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(settled.status, 201, "{key}: {}", settled.body);
+        assert_eq!(
+            settled.body["tenant"], tenant,
+            "{key} settled with another tenant's answer: {}",
+            settled.body
+        );
+    }
 }
 
 /// What the echoing upstream saw: method and body of each request.

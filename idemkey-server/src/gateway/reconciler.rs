@@ -100,6 +100,9 @@ pub(super) async fn run<S: GatewayDb>(
 ) {
     let client = match reqwest::Client::builder()
         .no_proxy()
+        // A connection of its own per question: an extra answer on a kept one would be
+        // taken for the next question's, another tenant's maybe, and settle it.
+        .pool_max_idle_per_host(0)
         .timeout(gw.options().upstream_timeout)
         .connect_timeout(gw.options().connect_timeout)
         .build()
