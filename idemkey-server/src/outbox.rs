@@ -128,7 +128,9 @@ pub async fn relay<S: AppDb>(db: S, args: &OutboxArgs, listen: SocketAddr) -> an
     let metrics = OutboxMetrics::new();
     let mut registry = Registry::default();
     metrics.register(&mut registry);
-    let app = Router::new().route("/metrics", crate::metrics::route(registry));
+    let app = crate::problem::route_not_found(
+        Router::new().route("/metrics", crate::metrics::route(registry)),
+    );
     println!("idemkey relay delivering to {}", sink.describe());
     println!(
         "idemkey relay serving its metrics on http://{}/metrics",

@@ -45,7 +45,7 @@ idemkey_core::problem_types! {
     /// reads; nothing was run and the connection is closed.
     HEADERS_TOO_LARGE = "headers-too-large", 431, "Request header fields too large",
         retry: false;
-    /// `serve`: no route has this path.
+    /// `serve` and `relay`: no route has this path.
     ROUTE_NOT_FOUND = "route-not-found", 404, "Route not found", retry: false;
     /// `serve` and `gateway`: the route exists, without this method (the gateway: `CONNECT`,
     /// which it does not forward); `Allow` lists its methods.

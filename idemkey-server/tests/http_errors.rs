@@ -1,8 +1,9 @@
 //! Every error a client can get from `idemkey serve` and `idemkey gateway` is problem+json,
 //! those that no route answers included: a request head the server cannot read (400
 //! `request-malformed`, 414 `uri-too-long`, 431 `headers-too-large`, sent on raw sockets),
-//! a path no route has (404 `route-not-found`) and a method a route lacks (405
-//! `method-not-allowed`, with `Allow`). An application's own empty answer goes out as it is.
+//! a path no route has (404 `route-not-found`, `serve` and `relay`) and a method a route
+//! lacks (405 `method-not-allowed`, with `Allow`). An application's own empty answer goes out
+//! as it is.
 
 mod common;
 
@@ -259,4 +260,49 @@ async fn the_gateway_answers_what_it_cannot_route_with_problem_json_and_forwards
         bare.bytes().await.unwrap().is_empty(),
         "the upstream's answer was replaced"
     );
+}
+
+/// A child process killed (and reaped) when dropped.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_answers_an_unknown_path_or_method_with_problem_json() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let url = format!("sqlite:{}", dir.path().join("relay.db").display());
+    common::idemkey_cli(vec!["migrate".into(), "--database-url".into(), url.clone()]).await;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idemkey"))
+        .args(["relay", "--database-url", &url, "--listen", "127.0.0.1:0"])
+        .args(["--outbox-webhook", "http://127.0.0.1:9/hook"])
+        .env_remove("IDEMKEY_DATABASE_URL")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start idemkey relay");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let _relay = Killed(child);
+    let (listening, _) = common::read_stdout(stdout, "idemkey relay serving its metrics on ");
+    let metrics = tokio::task::spawn_blocking(move || listening.recv_timeout(CLOSE_BOUND))
+        .await
+        .unwrap()
+        .expect("the relay prints its address");
+    let base = metrics.trim_end_matches("/metrics");
+
+    let api = Api::new(base);
+    api.get("/nothing", None)
+        .await
+        .assert_problem(404, "route-not-found");
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let post = client.post(&metrics).send().await.unwrap();
+    assert_eq!(post.status(), StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(post.headers()["allow"], "GET,HEAD");
+    let problem: Value = post.json().await.unwrap();
+    assert_eq!(problem["type"], "urn:idemkey:problem:method-not-allowed");
 }
