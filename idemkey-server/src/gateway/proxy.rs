@@ -122,15 +122,15 @@ async fn forward_keyed<S: GatewayDb>(
         }
         let reused = connection.reused;
         let Some(body) = connection.begin(Body::from(bytes.clone())) else {
-            // The upstream wrote on the connection with no request outstanding: whatever it
-            // wrote is no answer to this request, which is not sent on it.
+            // The upstream wrote on the connection with no request outstanding (whatever it
+            // wrote is no answer to this request), or closed it: not sent on it.
             op.nothing_sent();
             if reused {
                 reuse = false;
                 continue;
             }
             return unreachable(&io::Error::other(
-                "the upstream wrote on a new connection before any request",
+                "the upstream wrote on, or closed, a new connection before any request",
             ));
         };
         // The point of no return: from here the effect may happen.

@@ -55,8 +55,8 @@ pub(super) struct Connection {
 
 impl Connection {
     /// Marks a request about to be written, whose body is `body`, if nothing arrived on the
-    /// connection since its last answer; answers the body to send, which tells when it was
-    /// handed over whole. `None`: something did arrive, the connection must not carry the
+    /// connection since its last answer and it is still open; answers the body to send,
+    /// which tells when it was handed over whole. `None`: the connection must not carry the
     /// request (nothing was sent).
     pub(super) fn begin(&self, body: Body) -> Option<Body> {
         let mut wire = self.wire.lock();
