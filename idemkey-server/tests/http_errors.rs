@@ -262,16 +262,6 @@ async fn the_gateway_answers_what_it_cannot_route_with_problem_json_and_forwards
     );
 }
 
-/// A child process killed (and reaped) when dropped.
-struct Killed(std::process::Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_answers_an_unknown_path_or_method_with_problem_json() {
     let dir = tempfile::tempdir().expect("temporary directory");
@@ -287,7 +277,7 @@ async fn the_relay_answers_an_unknown_path_or_method_with_problem_json() {
         .spawn()
         .expect("start idemkey relay");
     let stdout = child.stdout.take().expect("piped stdout");
-    let _relay = Killed(child);
+    let _relay = common::Killed(child);
     let (listening, _) = common::read_stdout(stdout, "idemkey relay serving its metrics on ");
     let metrics = tokio::task::spawn_blocking(move || listening.recv_timeout(CLOSE_BOUND))
         .await

@@ -227,16 +227,6 @@ async fn the_gateway_serves_the_layer_and_reconciler_families() {
     );
 }
 
-/// A child process, killed (and waited for) when dropped, the test passing or not.
-struct Killed(std::process::Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// `idemkey relay` serves `GET /metrics` on `--listen`: the outbox's families, documented,
 /// counting the deliveries it makes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -264,7 +254,7 @@ async fn the_relay_serves_the_outbox_families_and_counts_its_deliveries() {
         db.commit(tx).await.unwrap();
     }
 
-    let mut relay = Killed(
+    let mut relay = common::Killed(
         Command::new(env!("CARGO_BIN_EXE_idemkey"))
             .args(["relay", "--database-url", &url, "--listen", "127.0.0.1:0"])
             .args(["--outbox-webhook", &format!("http://{sink}/hook")])

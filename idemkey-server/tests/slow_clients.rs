@@ -485,16 +485,6 @@ async fn past_the_connection_limit_sockets_are_answered_and_closed_at_once_and_l
     );
 }
 
-/// A child process killed (and reaped) when dropped.
-struct Killed(std::process::Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Under an open-file limit the connection limit just fits, a burst of sockets past the
 /// limit, which the clients keep open, uses up no descriptor of the server: a new request
 /// is answered (503, the slots being held) rather than left waiting, and once the slots
@@ -526,7 +516,7 @@ async fn a_burst_past_the_connection_limit_under_a_low_open_file_limit_leaves_th
         .spawn()
         .expect("start idemkey serve");
     let stdout = child.stdout.take().expect("piped stdout");
-    let _server = Killed(child);
+    let _server = common::Killed(child);
     let (started, _) = common::read_stdout(stdout, "idemkey listening on ");
     let base = tokio::task::spawn_blocking(move || started.recv_timeout(CLOSE_BOUND))
         .await

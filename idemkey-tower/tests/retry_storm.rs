@@ -12,35 +12,17 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::Extension;
-use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http::{Request, StatusCode};
 use idemkey_core::KeyHasher;
 use idemkey_postgres::PgStore;
-use idemkey_tower::{IdempotencyLayer, KeyRequirement, Metrics, REPLAYED_HEADER, Tx};
+use idemkey_tower::{IdempotencyLayer, KeyRequirement, Metrics, REPLAYED_HEADER};
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
 
-/// Holds the owner after its effect until the test lets it go.
-#[derive(Clone)]
-struct Gate {
-    entered: Arc<Notify>,
-    proceed: Arc<Semaphore>,
-}
-
-async fn create(gate: Option<Extension<Gate>>, mut tx: Tx<PgStore>, body: Bytes) -> Response {
-    let id: i64 = sqlx::query_scalar("INSERT INTO effects (label) VALUES ($1) RETURNING id")
-        .bind(String::from_utf8_lossy(&body).into_owned())
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-    if let Some(Extension(gate)) = gate {
-        gate.entered.notify_one();
-        let _ = gate.proceed.acquire().await.unwrap();
-    }
-    (StatusCode::CREATED, id.to_string()).into_response()
-}
+#[path = "support/held.rs"]
+mod held;
+use held::{Gate, create};
 
 fn request(key: &str, body: &str) -> Request<Body> {
     Request::post("/effects")

@@ -8,6 +8,16 @@ use std::time::{Duration, Instant};
 
 use super::*;
 
+/// A child process, killed (and waited for) when dropped, the test passing or not.
+pub(crate) struct Killed(pub(crate) Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Reads a child's `stdout` to its end on a thread of its own (a process that prints again
 /// when it stops must not meet a closed pipe), keeping its lines. The channel gets what
 /// follows `announce` on the first line that starts with it: the address a server listens on.
