@@ -19,6 +19,7 @@ use prometheus_client::registry::Registry;
 
 mod auth;
 pub mod bench;
+pub mod check;
 pub mod cli;
 mod db;
 pub mod demo;
