@@ -34,6 +34,9 @@ pub enum Command {
     Keys(KeysCommand),
     /// Load-test a server that speaks the contract (ratios against a baseline in one run).
     Bench(BenchArgs),
+    /// Check that a keyed write endpoint keeps the idempotency contract, over real HTTP
+    /// (exit 0: every required check passed, 1: one failed, 2: it could not run).
+    Check(CheckArgs),
     /// Show what idemkey is for: payments through a network that loses responses.
     Demo(DemoArgs),
     /// Deliver the outbox's messages, as `serve` does with an outbox sink, in a process of
@@ -191,6 +194,86 @@ pub struct DemoArgs {
     /// and the purge ran. Each is refused (412) or settled by the payment's reference (409).
     #[arg(long)]
     pub late: bool,
+}
+
+/// `idemkey check`.
+#[derive(Debug, Clone, Args)]
+pub struct CheckArgs {
+    /// The keyed write endpoint, e.g. `http://127.0.0.1:8080/v1/payments`.
+    pub url: String,
+    /// The JSON body of a valid write; each `{{uuid}}` in it is replaced by a fresh UUID per
+    /// key.
+    #[arg(long)]
+    pub body: String,
+    /// The write's method.
+    #[arg(long, default_value = "POST")]
+    pub method: http::Method,
+    /// A header sent with every request, `Name: value` (the caller's authentication;
+    /// repeatable).
+    #[arg(long = "header", value_name = "NAME: VALUE", value_parser = parse_header)]
+    pub headers: Vec<(String, String)>,
+    /// Another caller's header, `Name: value` (repeatable): the `scope` check sends the same
+    /// key and body as this caller; without it, `scope` is skipped.
+    #[arg(long = "other-caller", value_name = "NAME: VALUE", value_parser = parse_header)]
+    pub other_caller: Vec<(String, String)>,
+    /// The contract checked.
+    #[arg(long, value_enum, default_value_t = crate::check::Profile::Ietf)]
+    pub profile: crate::check::Profile,
+    /// The most writes the checks may send; refused before the first if the plan needs more.
+    #[arg(long, default_value_t = 100)]
+    pub max_writes: usize,
+    /// How many attempts with one key the race check releases together.
+    #[arg(long, default_value_t = 8)]
+    pub race: usize,
+    /// A URL whose `GET` (with the `--header`s) answers the count of executions so far: a JSON
+    /// number, or an object with `count` or `total`. One execution is then counted, not
+    /// inferred from the answers.
+    #[arg(long, value_name = "URL")]
+    pub effects: Option<String>,
+    /// Write the report as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write the report as JUnit XML to this file.
+    #[arg(long, value_name = "FILE")]
+    pub junit: Option<PathBuf>,
+    /// The bound on each request (e.g. 10s).
+    #[arg(long, default_value = "10s", value_parser = parse_timeout)]
+    pub timeout: Duration,
+    /// Allow a target whose host is not loopback (the checks send real writes).
+    #[arg(long)]
+    pub yes: bool,
+}
+
+impl CheckArgs {
+    /// The checker's options.
+    pub fn options(&self) -> crate::check::CheckOptions {
+        crate::check::CheckOptions {
+            url: self.url.clone(),
+            method: self.method.clone(),
+            body: self.body.clone(),
+            headers: self.headers.clone(),
+            other_caller: self.other_caller.clone(),
+            profile: self.profile,
+            max_writes: self.max_writes,
+            race: self.race,
+            effects: self.effects.clone(),
+            yes: self.yes,
+            timeout: self.timeout,
+        }
+    }
+}
+
+/// Parses `Name: value` (`--header`, `--other-caller`).
+pub fn parse_header(s: &str) -> Result<(String, String), String> {
+    let (name, value) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?} is not `Name: value`"))?;
+    let name = name.trim();
+    http::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| format!("{name:?} is not a header name"))?;
+    http::HeaderValue::from_str(value.trim())
+        .map_err(|_| format!("the value of {name} is not a header value"))?;
+    Ok((name.to_owned(), value.trim().to_owned()))
 }
 
 /// `idemkey bench`.

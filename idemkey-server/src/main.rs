@@ -151,6 +151,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Check(args) => std::process::exit(idemkey_server::check::command(&args).await),
         Command::Demo(args) => {
             if !(0.0..=1.0).contains(&args.loss) {
                 anyhow::bail!("--loss must be between 0.0 and 1.0");

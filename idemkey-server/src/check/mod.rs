@@ -52,8 +52,8 @@ pub struct CheckOptions {
     pub max_writes: usize,
     /// How many attempts the race check releases together.
     pub race: usize,
-    /// A URL whose `GET` answers the number of executions so far: a JSON number or
-    /// `{"count": n}`.
+    /// A URL whose `GET` answers the number of executions so far: a JSON number, or an
+    /// object with `count` (or `total`, as `GET /v1/payments?limit=1` of `idemkey serve`).
     pub effects: Option<String>,
     /// Allow a target whose host is not loopback.
     pub yes: bool,
@@ -176,6 +176,36 @@ pub enum CheckError {
     },
 }
 
+/// `idemkey check`: prints the plan and the table, writes the JSON and JUnit files asked
+/// for, and returns the exit code: 0 every required check passed, 1 one failed, 2 the checks
+/// could not run (the reason on stderr).
+pub async fn command(args: &crate::cli::CheckArgs) -> i32 {
+    let options = args.options();
+    let url = options.url.clone();
+    let report = match run_with(options, |planned| {
+        println!("idemkey check: {planned} writes planned against {url}");
+    })
+    .await
+    {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    print!("{}", report.table());
+    let json = serde_json::to_string_pretty(&report.to_json()).unwrap_or_default();
+    for (path, text) in [(&args.json, json), (&args.junit, report.junit_xml())] {
+        if let Some(path) = path
+            && let Err(e) = std::fs::write(path, text)
+        {
+            eprintln!("error: writing {}: {e}", path.display());
+            return 2;
+        }
+    }
+    report.exit_code()
+}
+
 /// Runs every check against `options.url` and reports each one's verdict.
 ///
 /// # Errors
@@ -184,5 +214,13 @@ pub enum CheckError {
 /// the plan needs more than `max_writes` writes, the endpoint is unreachable, or a plain
 /// keyed write is not answered with a 2xx.
 pub async fn run(options: CheckOptions) -> Result<Report, CheckError> {
-    checks::run(options).await
+    checks::run(options, |_| {}).await
+}
+
+/// [`run`], calling `planned` with the plan's count of writes before the first is sent.
+async fn run_with(
+    options: CheckOptions,
+    planned: impl FnOnce(usize),
+) -> Result<Report, CheckError> {
+    checks::run(options, planned).await
 }

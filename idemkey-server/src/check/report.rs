@@ -39,8 +39,8 @@ impl Report {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "{:<id_width$}  {:<8}  {:<7}  {}",
-            "check", "level", "verdict", "rule / saw"
+            "{:<id_width$}  {:<8}  {:<7}  rule / saw",
+            "check", "level", "verdict"
         );
         for c in &self.checks {
             let verdict = match c.verdict {
