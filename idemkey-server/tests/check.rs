@@ -138,6 +138,53 @@ async fn serve_passes_under_the_oasis_profile_with_first_sent_required() {
     assert_all_required_pass(&report);
 }
 
+/// The gateway in front of an upstream that executes every request it gets (a fresh
+/// transfer id each time): the contract is the gateway's alone. A client that drops its
+/// connection mid-request leaves its key reserved until the lease lapses, so the lease is
+/// short here: `lost-response` retries for at most 5 s, and the default lease is 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_passes_every_required_check() {
+    let upstream = common::gateway::Upstream::start();
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let database_url = format!("sqlite:{}", dir.path().join("g.db").display());
+    let gateway = common::gateway::Gateway::start(
+        &database_url,
+        &upstream.base,
+        dir.path(),
+        &[
+            "--api-key",
+            "t2=tok2",
+            "--route",
+            "POST /v1/*",
+            "--lease",
+            "300ms",
+            "--reconcile-url",
+            &upstream.reconcile_url(),
+            "--reconcile-interval",
+            "100ms",
+        ],
+    )
+    .await;
+    let mut options = payments(&gateway.base);
+    options.url = format!("{}/v1/transfers", gateway.base);
+    options.body = r#"{"amount": 500, "to": "acct_{{uuid}}"}"#.to_owned();
+    options.effects = None;
+    // The upstream counts by the key it is forwarded, which the gateway does not scope by
+    // caller: without `scope`, each key the upstream saw must have run once.
+    options.other_caller.clear();
+    let report = check::run(options).await.expect("the checker runs");
+    let table = report.table();
+    for c in &report.checks {
+        if c.level == Level::Required {
+            assert_ne!(c.verdict, Verdict::Fail, "{} failed\n{table}", c.id);
+        }
+    }
+    assert_eq!(report.exit_code(), 0, "{table}");
+    // Every 2xx of the run came from one execution per key: the upstream ran each key once.
+    let (most, _) = upstream.effect_counts();
+    assert_eq!(most, 1, "an upstream key ran more than once\n{table}");
+}
+
 /// `idemkey check` with `args`: its exit code and stderr.
 fn run_cli(args: &[&str]) -> (Option<i32>, String, String) {
     let output = Command::new(env!("CARGO_BIN_EXE_idemkey"))

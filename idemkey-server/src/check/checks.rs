@@ -1259,8 +1259,9 @@ async fn lost_response(ctx: &Ctx) -> CheckResult {
             Level::Required,
             Verdict::Fail,
             format!(
-                "still {} after {LOST_RETRIES} retries or {LOST_BOUND:?}: the first attempt never finished",
-                answer.status.as_u16()
+                "{refusals} retries in {:?} (at most {LOST_RETRIES}, {LOST_BOUND:?}) were all refused as in flight, the last {}: the first attempt never finished",
+                started.elapsed(),
+                answer.short()
             ),
         );
     }
