@@ -789,13 +789,12 @@ async fn key_refused(ctx: &Ctx, id: &'static str, key: &str) -> CheckResult {
         }
     };
     let after = ctx.effects().await.ok().flatten();
-    let shown: String = key.chars().take(24).collect();
+    let length = key.chars().count();
     let shown = if key.is_empty() {
         "an empty key".to_owned()
-    } else if key.chars().count() > 24 {
-        format!("a {}-character key", key.chars().count())
     } else {
-        format!("the key {shown:?}")
+        let start: String = key.chars().take(24).collect();
+        format!("a {length}-character key {start:?}…")
     };
     if let Some(n) = executed(before, after).filter(|n| *n > 0) {
         return result(
@@ -1441,4 +1440,64 @@ fn advertised(facts: &Facts) -> CheckResult {
     }
     let saw = saw.join("; ");
     result("advertised", FACTS, Level::Advisory, Verdict::Info, saw)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chunked_answer_is_read_whole() {
+        let raw = b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n4\r\n{\"a\"\r\n3;x=y\r\n:1}\r\n0\r\n\r\n";
+        let answer = parse_answer(raw).expect("parses");
+        assert_eq!(answer.status, StatusCode::CREATED);
+        assert_eq!(answer.content_type(), "application/json");
+        assert_eq!(&answer.body[..], b"{\"a\":1}");
+    }
+
+    #[test]
+    fn a_sized_answer_is_cut_at_its_length_and_a_short_one_refused() {
+        let answer =
+            parse_answer(b"HTTP/1.1 409 Conflict\r\ncontent-length: 2\r\nretry-after: 1\r\n\r\n{}")
+                .expect("parses");
+        assert_eq!(answer.status, StatusCode::CONFLICT);
+        assert_eq!(answer.header("retry-after"), Some("1"));
+        assert_eq!(&answer.body[..], b"{}");
+        let short = parse_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nab");
+        assert!(short.is_err_and(|e| e.contains("2 of 5")));
+    }
+
+    #[test]
+    fn another_body_changes_one_member_and_a_reserialized_one_none() {
+        let body = r#"{"amount": 500, "currency": "EUR"}"#;
+        let other: serde_json::Value =
+            serde_json::from_str(&other_body(body).expect("changed")).expect("JSON");
+        assert_eq!(other, serde_json::json!({"amount": 501, "currency": "EUR"}));
+        let same = reserialized(body).expect("re-serialized");
+        assert_ne!(same, body);
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&same).expect("JSON"),
+            serde_json::from_str::<serde_json::Value>(body).expect("JSON")
+        );
+    }
+
+    #[test]
+    fn only_loopback_targets_run_without_yes() {
+        for url in [
+            "http://127.0.0.1:1/x",
+            "http://localhost/x",
+            "http://[::1]:8080/x",
+        ] {
+            assert!(target(url, false).is_ok(), "{url}");
+        }
+        assert!(matches!(
+            target("http://10.0.0.1/x", false),
+            Err(CheckError::NotLoopback { .. })
+        ));
+        assert!(target("http://10.0.0.1/x", true).is_ok());
+        assert!(matches!(
+            target("https://127.0.0.1/x", false),
+            Err(CheckError::BadArguments(_))
+        ));
+    }
 }
