@@ -185,6 +185,69 @@ async fn gateway_passes_every_required_check() {
     assert_eq!(most, 1, "an upstream key ran more than once\n{table}");
 }
 
+/// Under `stripe`, a missing key is a fact (keys are optional there), not a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_passes_under_the_stripe_profile() {
+    let backend = common::Backend::sqlite().await;
+    let server = backend.start(&[]).await;
+    let mut options = payments(server.base());
+    options.profile = check::Profile::Stripe;
+    let report = check::run(options).await.expect("the checker runs");
+    let missing = report.check("key-missing").expect("key-missing");
+    assert_eq!(
+        (missing.level, missing.verdict),
+        (Level::Advisory, Verdict::Info)
+    );
+    assert_all_required_pass(&report);
+}
+
+/// The command prints its plan and the table, writes the JSON and JUnit reports, and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_command_writes_its_reports_and_exits_0() {
+    let backend = common::Backend::sqlite().await;
+    let server = backend.start(&[]).await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let (json, junit) = (dir.path().join("check.json"), dir.path().join("check.xml"));
+    let url = format!("{}/v1/payments", server.base());
+    let auth = format!("Authorization: Bearer {}", common::TOKEN1);
+    let other = format!("Authorization: Bearer {}", common::TOKEN2);
+    let args = [
+        url.as_str(),
+        "--body",
+        r#"{"amount": 500, "currency": "EUR", "customer": "c1", "reference": "ref-{{uuid}}"}"#,
+        "--header",
+        &auth,
+        "--other-caller",
+        &other,
+        "--json",
+        json.to_str().expect("a UTF-8 path"),
+        "--junit",
+        junit.to_str().expect("a UTF-8 path"),
+    ]
+    .map(str::to_owned);
+    let (code, stdout, stderr) = tokio::task::spawn_blocking(move || {
+        run_cli(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    })
+    .await
+    .expect("the command ran");
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(
+        stdout.starts_with(&format!("idemkey check: 30 writes planned against {url}\n")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("replay-same-bytes"), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("the JSON report"))
+            .expect("JSON");
+    assert_eq!(report["exit_code"], 0);
+    assert_eq!(report["writes_planned"], 30);
+    let xml = std::fs::read_to_string(&junit).expect("the JUnit report");
+    assert!(
+        xml.contains("<testcase classname=\"idemkey.check.required\" name=\"scope\">"),
+        "{xml}"
+    );
+}
+
 /// `idemkey check` with `args`: its exit code and stderr.
 fn run_cli(args: &[&str]) -> (Option<i32>, String, String) {
     let output = Command::new(env!("CARGO_BIN_EXE_idemkey"))

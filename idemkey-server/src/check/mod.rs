@@ -182,7 +182,7 @@ pub enum CheckError {
 pub async fn command(args: &crate::cli::CheckArgs) -> i32 {
     let options = args.options();
     let url = options.url.clone();
-    let report = match run_with(options, |planned| {
+    let report = match checks::run(options, |planned| {
         println!("idemkey check: {planned} writes planned against {url}");
     })
     .await
@@ -215,12 +215,4 @@ pub async fn command(args: &crate::cli::CheckArgs) -> i32 {
 /// keyed write is not answered with a 2xx.
 pub async fn run(options: CheckOptions) -> Result<Report, CheckError> {
     checks::run(options, |_| {}).await
-}
-
-/// [`run`], calling `planned` with the plan's count of writes before the first is sent.
-async fn run_with(
-    options: CheckOptions,
-    planned: impl FnOnce(usize),
-) -> Result<Report, CheckError> {
-    checks::run(options, planned).await
 }
