@@ -20,6 +20,7 @@ mod backend;
 pub(crate) mod cluster;
 mod contract;
 mod crash;
+pub(crate) mod flawed;
 pub(crate) mod gateway;
 pub(crate) mod load;
 mod operator;
