@@ -1060,6 +1060,20 @@ async fn in_flight(ctx: &Ctx) -> CheckResult {
                 problem_note(&retry)
             ),
         )
+    } else if in_flight_status(first.status) && retry.status.is_success() {
+        // The two raced to the server and the retry came first: still one execution.
+        result(
+            ID,
+            rule,
+            Level::Required,
+            Verdict::Pass,
+            format!(
+                "the retry reached the server first and ran; the first attempt was refused \
+                 while it ran: {}{}",
+                first.status.as_u16(),
+                problem_note(&first)
+            ),
+        )
     } else if retry.status.is_success() && first.status.is_success() {
         result(
             ID,
