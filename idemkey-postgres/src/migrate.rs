@@ -36,6 +36,15 @@ impl Unprepared<'_> {
         Ok(())
     }
 
+    /// Runs a migration's (or its reversal's) SQL, its failure named by its version.
+    async fn run(&mut self, migration: &Migration) -> Result<(), MigrateError> {
+        sqlx::raw_sql(migration.sql.clone())
+            .execute(&mut *self.0)
+            .await
+            .map_err(|e| MigrateError::ExecuteMigration(e, migration.version))?;
+        Ok(())
+    }
+
     async fn fetch_all(&mut self, sql: String) -> Result<Vec<PgRow>, MigrateError> {
         Ok(sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(&mut *self.0)
@@ -135,10 +144,7 @@ impl Migrate for Unprepared<'_> {
     ) -> BoxFuture<'e, Result<Duration, MigrateError>> {
         Box::pin(async move {
             let start = Instant::now();
-            sqlx::raw_sql(migration.sql.clone())
-                .execute(&mut *self.0)
-                .await
-                .map_err(|e| MigrateError::ExecuteMigration(e, migration.version))?;
+            self.run(migration).await?;
             let elapsed = start.elapsed();
             // The row sqlx writes, with the time taken at once (sqlx writes -1 first, then
             // the time in a statement of its own).
@@ -166,10 +172,7 @@ impl Migrate for Unprepared<'_> {
     ) -> BoxFuture<'e, Result<Duration, MigrateError>> {
         Box::pin(async move {
             let start = Instant::now();
-            sqlx::raw_sql(migration.sql.clone())
-                .execute(&mut *self.0)
-                .await
-                .map_err(|e| MigrateError::ExecuteMigration(e, migration.version))?;
+            self.run(migration).await?;
             let mut delete = Sql::new(&format!("DELETE FROM {table_name} WHERE version = "));
             delete.int(migration.version);
             self.execute(delete.finish()).await?;

@@ -267,22 +267,15 @@ async fn the_relay_answers_an_unknown_path_or_method_with_problem_json() {
     let dir = tempfile::tempdir().expect("temporary directory");
     let url = format!("sqlite:{}", dir.path().join("relay.db").display());
     common::idemkey_cli(vec!["migrate".into(), "--database-url".into(), url.clone()]).await;
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idemkey"))
+    let mut relay = std::process::Command::new(env!("CARGO_BIN_EXE_idemkey"));
+    relay
         .args(["relay", "--database-url", &url, "--listen", "127.0.0.1:0"])
         .args(["--outbox-webhook", "http://127.0.0.1:9/hook"])
         .env_remove("IDEMKEY_DATABASE_URL")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start idemkey relay");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let _relay = common::Killed(child);
-    let (listening, _) = common::read_stdout(stdout, "idemkey relay serving its metrics on ");
-    let metrics = tokio::task::spawn_blocking(move || listening.recv_timeout(CLOSE_BOUND))
-        .await
-        .unwrap()
-        .expect("the relay prints its address");
+        .stderr(std::process::Stdio::null());
+    let (_relay, metrics) =
+        common::spawn_announcing(relay, "idemkey relay serving its metrics on ").await;
+    let metrics = metrics.expect("the relay prints its address");
     let base = metrics.trim_end_matches("/metrics");
 
     let api = Api::new(base);

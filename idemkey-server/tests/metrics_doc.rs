@@ -9,9 +9,8 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -254,27 +253,15 @@ async fn the_relay_serves_the_outbox_families_and_counts_its_deliveries() {
         db.commit(tx).await.unwrap();
     }
 
-    let mut relay = common::Killed(
-        Command::new(env!("CARGO_BIN_EXE_idemkey"))
-            .args(["relay", "--database-url", &url, "--listen", "127.0.0.1:0"])
-            .args(["--outbox-webhook", &format!("http://{sink}/hook")])
-            .env_remove("IDEMKEY_DATABASE_URL")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start idemkey relay"),
-    );
-    let stdout = relay.0.stdout.take().unwrap();
-    let address = tokio::task::spawn_blocking(move || {
-        BufReader::new(stdout).lines().find_map(|line| {
-            let line = line.ok()?;
-            let rest = line.split_once("metrics on http://")?.1;
-            Some(rest.trim_end_matches("/metrics").to_owned())
-        })
-    })
-    .await
-    .unwrap();
-    let address = address.expect("idemkey relay prints its metrics address");
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_idemkey"));
+    relay
+        .args(["relay", "--database-url", &url, "--listen", "127.0.0.1:0"])
+        .args(["--outbox-webhook", &format!("http://{sink}/hook")])
+        .env_remove("IDEMKEY_DATABASE_URL");
+    let (relay, metrics) =
+        common::spawn_announcing(relay, "idemkey relay serving its metrics on http://").await;
+    let metrics = metrics.expect("idemkey relay prints its metrics address");
+    let address = metrics.trim_end_matches("/metrics").to_owned();
 
     let scrape = || async {
         let response = reqwest::get(format!("http://{address}/metrics"))

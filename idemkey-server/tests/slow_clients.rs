@@ -499,7 +499,8 @@ async fn a_burst_past_the_connection_limit_under_a_low_open_file_limit_leaves_th
     let url = format!("sqlite:{}", dir.path().join("idemkey.db").display());
     let log = dir.path().join("serve.log");
     let limit = LIMIT.to_string();
-    let mut child = Command::new("sh")
+    let mut serve = Command::new("sh");
+    serve
         .arg("-c")
         .arg(format!("ulimit -n {OPEN_FILES} && exec \"$0\" \"$@\""))
         .arg(env!("CARGO_BIN_EXE_idemkey"))
@@ -510,23 +511,14 @@ async fn a_burst_past_the_connection_limit_under_a_low_open_file_limit_leaves_th
         .env_remove("IDEMKEY_KEY_SECRET")
         .env_remove("IDEMKEY_DATABASE_URL")
         .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("start idemkey serve");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let _server = common::Killed(child);
-    let (started, _) = common::read_stdout(stdout, "idemkey listening on ");
-    let base = tokio::task::spawn_blocking(move || started.recv_timeout(CLOSE_BOUND))
-        .await
-        .unwrap()
-        .unwrap_or_else(|e| {
-            panic!(
-                "serve did not start ({e}): {}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            )
-        });
+        .stderr(std::fs::File::create(&log).expect("log file"));
+    let (_server, base) = common::spawn_announcing(serve, "idemkey listening on ").await;
+    let base = base.unwrap_or_else(|e| {
+        panic!(
+            "serve did not start ({e}): {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        )
+    });
     let address = address(&base);
 
     let mut held = Vec::new();

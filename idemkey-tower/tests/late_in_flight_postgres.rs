@@ -14,14 +14,13 @@ use axum::body::Body;
 use axum::routing::post;
 use http::{Request, StatusCode};
 use idemkey_core::{Clock, KeyHasher, Timestamp};
-use idemkey_postgres::PgStore;
 use idemkey_tower::{IdempotencyLayer, PROBLEM_TYPE_PREFIX, REPLAYED_HEADER};
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
 
 #[path = "support/held.rs"]
 mod held;
-use held::{Gate, create};
+use held::{Gate, create, store_with_effects};
 
 /// A keyed request stating its first attempt at `sent`.
 fn request(sent: Timestamp) -> Request<Body> {
@@ -51,15 +50,7 @@ async fn send(app: &Router, req: Request<Body>) -> (StatusCode, bool, serde_json
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_retry_on_another_instance_meets_the_running_claim() {
-    let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
-        .await
-        .unwrap();
-    let store = PgStore::connect(&url, 4).await.unwrap();
-    store.migrate().await.unwrap();
-    sqlx::query("CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, label TEXT NOT NULL)")
-        .execute(store.pool())
-        .await
-        .unwrap();
+    let store = store_with_effects(4).await;
     let clock = ManualClock::new();
     // Two instances: each layer made anew, as each process makes its own.
     let instance = || {

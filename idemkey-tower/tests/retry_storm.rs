@@ -15,14 +15,13 @@ use axum::body::{Body, Bytes};
 use axum::routing::post;
 use http::{Request, StatusCode};
 use idemkey_core::KeyHasher;
-use idemkey_postgres::PgStore;
 use idemkey_tower::{IdempotencyLayer, KeyRequirement, Metrics, REPLAYED_HEADER};
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
 
 #[path = "support/held.rs"]
 mod held;
-use held::{Gate, create};
+use held::{Gate, create, store_with_effects};
 
 fn request(key: &str, body: &str) -> Request<Body> {
     Request::post("/effects")
@@ -44,15 +43,7 @@ async fn send(app: &Router, req: Request<Body>) -> (StatusCode, bool, Bytes) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_wait_in_memory_and_other_keys_go_on() {
     const DUPLICATES: u64 = 150;
-    let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
-        .await
-        .unwrap();
-    let store = PgStore::connect(&url, 8).await.unwrap();
-    store.migrate().await.unwrap();
-    sqlx::query("CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, label TEXT NOT NULL)")
-        .execute(store.pool())
-        .await
-        .unwrap();
+    let store = store_with_effects(8).await;
     let metrics = Metrics::new();
     let layer = IdempotencyLayer::new(store.clone(), KeyHasher::new(b"storm"))
         .requirement(KeyRequirement::Required)

@@ -43,6 +43,26 @@ pub(crate) fn read_stdout(
     (rx, lines)
 }
 
+/// Starts `command` (its `stdout` piped here, its `stdin` closed) and waits at most
+/// [`STARTUP_TIMEOUT`] for the line that starts with `announce`: the child, killed when the
+/// guard is dropped, and what followed `announce` on that line, or why no such line came.
+pub(crate) async fn spawn_announcing(
+    mut command: Command,
+    announce: &'static str,
+) -> (Killed, Result<String, mpsc::RecvTimeoutError>) {
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start the child process");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (announced, _) = read_stdout(stdout, announce);
+    let said = tokio::task::spawn_blocking(move || announced.recv_timeout(STARTUP_TIMEOUT))
+        .await
+        .unwrap();
+    (Killed(child), said)
+}
+
 /// A running `idemkey serve`; killed (SIGKILL) and reaped when dropped.
 #[derive(Debug)]
 pub(crate) struct Server {

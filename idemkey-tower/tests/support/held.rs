@@ -1,5 +1,6 @@
-//! A handler on PostgreSQL that a test can hold after its effect, for the files that race
-//! retries against a first attempt still running (`#[path]`-included where used).
+//! A handler on PostgreSQL that a test can hold after its effect, and the store it writes
+//! to, for the files that race retries against a first attempt still running
+//! (`#[path]`-included where used).
 
 use std::sync::Arc;
 
@@ -10,6 +11,21 @@ use http::StatusCode;
 use idemkey_postgres::PgStore;
 use idemkey_tower::Tx;
 use tokio::sync::{Notify, Semaphore};
+
+/// A store on a fresh database of `connections`, migrated, with the `effects` table
+/// [`create`] writes.
+pub(crate) async fn store_with_effects(connections: u32) -> PgStore {
+    let url = tokio::task::spawn_blocking(idemkey_testkit::fresh_database_url)
+        .await
+        .unwrap();
+    let store = PgStore::connect(&url, connections).await.unwrap();
+    store.migrate().await.unwrap();
+    sqlx::query("CREATE TABLE effects (id BIGSERIAL PRIMARY KEY, label TEXT NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    store
+}
 
 /// Holds the handler after its effect until the test lets it go: `entered` is notified
 /// once the effect is written, and the handler answers once `proceed` has a permit.
