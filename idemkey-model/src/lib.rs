@@ -1,0 +1,1 @@
+//! A model check of idemkey's claim protocol with stateright (being written).
