@@ -1,6 +1,7 @@
-//! External mode's grouped writes, [`GroupWriter`] for both SQLite stores: which rows go in
-//! a group and who gets which answer are written once here ([`insert_group`],
-//! [`complete_group`]); each store only writes a group ([`WritesGroups`]): [`SqliteStore`] as
+//! External mode's grouped writes, [`GroupWriter`] for both SQLite stores (their impls, in
+//! `forward.rs`, call this): which rows go in a group and who gets which answer are written
+//! once here ([`insert_group`], [`complete_group`]); each store only keeps its queue and
+//! writes a group ([`WritesGroups`]): [`SqliteStore`] as
 //! one multi-row statement (one hand-off to sqlx's worker thread),
 //! [`RusqliteStore`](crate::RusqliteStore) as the rows one by one in one transaction
 //! (`rusqlite_group.rs`).
@@ -9,7 +10,7 @@ use std::collections::HashSet;
 use std::future::Future;
 
 use idemkey_core::{Inserted, NewRecord, RecordId, Store, StoreError};
-use idemkey_sqlx::group::{self, Completion, GroupWriter};
+use idemkey_sqlx::group::{self, Completion, GroupWriter, GroupedWrites};
 use sqlx::AssertSqlSafe;
 use sqlx::sqlite::SqliteArguments;
 
@@ -20,6 +21,9 @@ use crate::store::error;
 
 /// How a store writes a group of two or more, in one turn of the writer, all or nothing.
 pub(crate) trait WritesGroups: GroupWriter {
+    /// The store's queue of external-mode writes, shared by its clones.
+    fn grouped(&self) -> &GroupedWrites;
+
     /// Inserts `rows` (`INSERT … ON CONFLICT DO NOTHING`): the keys it inserted.
     fn write_inserts(
         &self,
@@ -123,6 +127,10 @@ impl SqliteStore {
 
 /// One statement per group, in one turn of the writer.
 impl WritesGroups for SqliteStore {
+    fn grouped(&self) -> &GroupedWrites {
+        &self.grouped
+    }
+
     /// One multi-row `INSERT … ON CONFLICT DO NOTHING RETURNING`.
     async fn write_inserts(&self, rows: &[&NewRecord]) -> Result<HashSet<RecordId>, StoreError> {
         let sql = format!(
@@ -174,15 +182,5 @@ impl WritesGroups for SqliteStore {
             Ok(args)
         })();
         self.write_group(sql, args).await
-    }
-}
-
-impl GroupWriter for SqliteStore {
-    async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
-        insert_group(self, records).await
-    }
-
-    async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
-        complete_group(self, group).await
     }
 }

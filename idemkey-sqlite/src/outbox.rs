@@ -1,15 +1,11 @@
 //! The outbox on SQLite: its SQL, and the Rust that binds and maps it, written once over a
-//! [`Driver`] for both stores ([`SqliteStore`]'s impl here, `RusqliteStore`'s in
-//! `rusqlite_outbox.rs`). One writer at a time: one relay per database.
+//! [`Driver`] for both stores (their `OutboxStore` impls, in `forward.rs`, call it). One
+//! writer at a time: one relay per database.
 
-use idemkey_core::outbox::{
-    Message, MessageFilter, NewMessage, OutboxAuditEntry, OutboxStats, OutboxStore,
-};
+use idemkey_core::outbox::{Message, MessageFilter, NewMessage, OutboxAuditEntry, OutboxStats};
 use idemkey_core::{StoreError, Timestamp};
 use idemkey_sqlx::{MessageRow, OutboxAuditRow};
-use sqlx::sqlite::SqliteConnection;
 
-use crate::SqliteStore;
 use crate::driver::Driver;
 use crate::params::Value;
 
@@ -207,100 +203,4 @@ pub(crate) async fn outbox_audit(
 ) -> Result<Vec<OutboxAuditEntry>, StoreError> {
     let rows: Vec<OutboxAuditRow> = conn.fetch_all(Sql::AUDIT, [Value::Text(id)]).await?;
     Ok(rows.into_iter().map(OutboxAuditEntry::from).collect())
-}
-
-impl OutboxStore for SqliteStore {
-    async fn enqueue(conn: &mut SqliteConnection, m: &NewMessage) -> Result<(), StoreError> {
-        enqueue(conn, m).await
-    }
-
-    async fn claim_due(
-        &self,
-        conn: &mut SqliteConnection,
-        relay: &str,
-        now: Timestamp,
-        until: Timestamp,
-        limit: u32,
-    ) -> Result<Vec<Message>, StoreError> {
-        claim_due(conn, relay, now, until, limit).await
-    }
-
-    async fn mark_sent(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &str,
-        relay: &str,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        mark_sent(conn, id, relay, now).await
-    }
-
-    async fn mark_failed(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &str,
-        relay: &str,
-        next_attempt_at: Option<Timestamp>,
-        failure: &str,
-    ) -> Result<bool, StoreError> {
-        mark_failed(conn, id, relay, next_attempt_at, failure).await
-    }
-
-    async fn messages(
-        &self,
-        conn: &mut SqliteConnection,
-        filter: &MessageFilter,
-    ) -> Result<Vec<Message>, StoreError> {
-        messages(conn, filter).await
-    }
-
-    async fn message(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &str,
-    ) -> Result<Option<Message>, StoreError> {
-        message(conn, id).await
-    }
-
-    async fn requeue(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &str,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        requeue(conn, id, now).await
-    }
-
-    async fn remove_dead(&self, conn: &mut SqliteConnection, id: &str) -> Result<bool, StoreError> {
-        remove_dead(conn, id).await
-    }
-
-    async fn purge_sent(
-        &self,
-        conn: &mut SqliteConnection,
-        before: Timestamp,
-        batch: u32,
-    ) -> Result<u64, StoreError> {
-        purge_sent(conn, before, batch).await
-    }
-
-    async fn outbox_stats(&self, conn: &mut SqliteConnection) -> Result<OutboxStats, StoreError> {
-        outbox_stats(conn).await
-    }
-
-    async fn append_outbox_audit(
-        &self,
-        conn: &mut SqliteConnection,
-        e: &OutboxAuditEntry,
-    ) -> Result<(), StoreError> {
-        append_outbox_audit(conn, e).await
-    }
-
-    async fn outbox_audit(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &str,
-    ) -> Result<Vec<OutboxAuditEntry>, StoreError> {
-        outbox_audit(conn, id).await
-    }
 }

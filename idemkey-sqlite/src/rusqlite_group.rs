@@ -3,13 +3,17 @@
 
 use std::collections::HashSet;
 
-use idemkey_core::{Inserted, NewRecord, RecordId, Store, StoreError};
-use idemkey_sqlx::group::{Completion, GroupWriter};
+use idemkey_core::{NewRecord, RecordId, Store, StoreError};
+use idemkey_sqlx::group::{Completion, GroupedWrites};
 
-use crate::group::{self, WritesGroups};
+use crate::group::WritesGroups;
 use crate::{RusqliteStore, statements};
 
 impl WritesGroups for RusqliteStore {
+    fn grouped(&self) -> &GroupedWrites {
+        &self.shared.grouped
+    }
+
     async fn write_inserts(&self, rows: &[&NewRecord]) -> Result<HashSet<RecordId>, StoreError> {
         let mut tx = self.begin().await?;
         let mut owned = HashSet::new();
@@ -35,15 +39,5 @@ impl WritesGroups for RusqliteStore {
         }
         tx.commit()?;
         Ok(completed)
-    }
-}
-
-impl GroupWriter for RusqliteStore {
-    async fn insert_group(&self, records: Vec<NewRecord>) -> Vec<Result<Inserted, StoreError>> {
-        group::insert_group(self, records).await
-    }
-
-    async fn complete_group(&self, group: Vec<Completion>) -> Vec<Result<bool, StoreError>> {
-        group::complete_group(self, group).await
     }
 }

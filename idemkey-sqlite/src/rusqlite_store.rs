@@ -13,17 +13,14 @@
 //!
 //! The SQL is the one [`SqliteStore`](crate::SqliteStore) runs (`sql.rs`), and the two
 //! share a database file and its migrations; so is the Rust of each statement
-//! (`statements.rs`), run through rusqlite's adapter (`driver.rs`).
+//! (`statements.rs`), run through rusqlite's adapter (`driver.rs`), and the trait methods
+//! that only call it (`forward.rs`). This file holds the methods that differ.
 
-use idemkey_core::{
-    AuditEntry, EvictionNotices, Inserted, ListFilter, NewRecord, Purged, Record, RecordId, Store,
-    StoreAdmin, StoreError, StoredResponse, Timestamp,
-};
+use idemkey_core::{EvictionNotices, Store, StoreError};
 use rusqlite::Connection;
 
 use crate::evictions::{self, Evictions};
 use crate::rusqlite_connection::IdleOrWriter;
-use crate::statements;
 use crate::{RusqliteConnection, RusqliteStore, RusqliteTransaction};
 
 pub(crate) fn error(e: rusqlite::Error) -> StoreError {
@@ -68,27 +65,6 @@ impl Store for RusqliteStore {
         )))
     }
 
-    /// Concurrent reservations are written in groups, in one transaction in one turn of the
-    /// writer each, each answered once its group committed, as [`insert`](Store::insert)
-    /// would have answered it alone (`idemkey_sqlx::group`).
-    async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
-        self.shared.grouped.insert(self, record).await
-    }
-
-    /// Concurrent completions are written in groups, as reservations are.
-    async fn complete_autocommit(
-        &self,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.shared
-            .grouped
-            .complete(self, id, token, response, now)
-            .await
-    }
-
     async fn acquire_for_write(&self) -> Result<RusqliteConnection, StoreError> {
         let turn = self.shared.turn().await?;
         Ok(RusqliteConnection(IdleOrWriter::Writer(
@@ -97,135 +73,11 @@ impl Store for RusqliteStore {
         )))
     }
 
-    async fn insert(&self, conn: &mut Connection, r: &NewRecord) -> Result<Inserted, StoreError> {
-        statements::insert(conn, r).await
-    }
-
-    async fn fetch(
-        &self,
-        conn: &mut Connection,
-        id: &RecordId,
-    ) -> Result<Option<Record>, StoreError> {
-        statements::fetch(conn, id).await
-    }
-
-    async fn replace(
-        &self,
-        conn: &mut Connection,
-        r: &NewRecord,
-        token: i64,
-    ) -> Result<Option<i64>, StoreError> {
-        statements::replace(conn, r, token).await
-    }
-
-    async fn complete(
-        &self,
-        conn: &mut Connection,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        statements::complete(conn, id, token, response, now).await
-    }
-
-    async fn renew(
-        &self,
-        conn: &mut Connection,
-        id: &RecordId,
-        token: i64,
-        lease_until: Timestamp,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        statements::renew(conn, id, token, lease_until, now).await
-    }
-
-    async fn mark_executing(
-        &self,
-        conn: &mut Connection,
-        id: &RecordId,
-        token: i64,
-        lease_until: Timestamp,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        statements::mark_executing(conn, id, token, lease_until, now).await
-    }
-
-    async fn mark_indeterminate(
-        &self,
-        conn: &mut Connection,
-        id: &RecordId,
-        token: i64,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        statements::mark_indeterminate(conn, id, token, now).await
-    }
-
-    async fn release(
-        &self,
-        conn: &mut Connection,
-        id: &RecordId,
-        token: i64,
-    ) -> Result<bool, StoreError> {
-        statements::release(conn, id, token).await
-    }
-
     fn eviction_notices(&self) -> Option<EvictionNotices> {
         Some(evictions::follow(self.clone()))
     }
-}
 
-impl StoreAdmin for RusqliteStore {
-    async fn list(
-        &self,
-        conn: &mut Connection,
-        filter: &ListFilter,
-    ) -> Result<Vec<Record>, StoreError> {
-        statements::list(conn, filter).await
-    }
-
-    async fn find_by_key(
-        &self,
-        conn: &mut Connection,
-        tenant: &str,
-        key_hash: &[u8; 32],
-    ) -> Result<Vec<Record>, StoreError> {
-        statements::find_by_key(conn, tenant, key_hash).await
-    }
-
-    async fn evict(&self, conn: &mut Connection, id: &RecordId) -> Result<bool, StoreError> {
-        statements::evict(conn, id).await
-    }
-
-    async fn purge_batch(
-        &self,
-        conn: &mut Connection,
-        now: Timestamp,
-        from: Option<Timestamp>,
-        batch: u32,
-    ) -> Result<Purged, StoreError> {
-        statements::purge_batch(conn, now, from, batch).await
-    }
-
-    async fn append_audit(
-        &self,
-        conn: &mut Connection,
-        entry: &AuditEntry,
-    ) -> Result<(), StoreError> {
-        statements::append_audit(conn, entry).await
-    }
-
-    async fn audit(
-        &self,
-        conn: &mut Connection,
-        id: &RecordId,
-    ) -> Result<Vec<AuditEntry>, StoreError> {
-        statements::audit(conn, id).await
-    }
-
-    async fn notify_evicted(&self, conn: &mut Connection, id: &RecordId) -> Result<(), StoreError> {
-        statements::notify_evicted(conn, id).await
-    }
+    crate::forward::store_statements!();
 }
 
 /// Reads through an idle connection of the store's, outside the writer's turn.

@@ -1,6 +1,6 @@
-//! The [`Store`](idemkey_core::Store) methods of both SQLite stores that are one statement
-//! (or two) each, written once over a [`Driver`]: each store's `impl Store` calls them on its
-//! own connection type.
+//! The [`Store`](idemkey_core::Store) and [`StoreAdmin`](idemkey_core::StoreAdmin) methods
+//! of both SQLite stores that are one statement (or two) each, written once over a
+//! [`Driver`]: both stores' impls call them on their own connection types (`forward.rs`).
 
 use idemkey_core::{AuditEntry, Inserted, ListFilter, NewRecord, Purged, Record, RecordId};
 use idemkey_core::{StoreError, StoredResponse, Timestamp};

@@ -1,10 +1,11 @@
-//! The [`Store`] impl of [`SqliteStore`], and how its SQLite errors are read.
+//! The [`Store`] impl of [`SqliteStore`], the methods it does not share with
+//! `RusqliteStore` (the rest are in `forward.rs`), and how its SQLite errors are read.
 
 use std::time::Duration;
 
 use idemkey_core::{
-    AuditEntry, Begun, CommitError, EvictionNotices, Inserted, ListFilter, NewRecord, Purged,
-    Record, RecordId, Store, StoreAdmin, StoreError, StoredResponse, Timestamp,
+    Begun, CommitError, EvictionNotices, Inserted, NewRecord, RecordId, Store, StoreError,
+    StoredResponse, Timestamp,
 };
 use idemkey_sqlx::{Code, classify_error};
 use sqlx::sqlite::{SqliteArguments, SqliteConnection, SqlitePool};
@@ -160,163 +161,9 @@ impl Store for SqliteStore {
         Ok(SqlitePooledConnection::writer(turn))
     }
 
-    /// Concurrent reservations are written in groups, one multi-row `INSERT` in one turn of
-    /// the writer each, each answered once its group committed, as [`insert`](Store::insert)
-    /// would have answered it alone (a key found taken is [`Inserted::Conflict`]); one that
-    /// finds nothing being written goes at once, alone. (`idemkey_sqlx::group`,
-    /// `SqliteStore::insert_group`.)
-    async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
-        self.grouped.insert(self, record).await
-    }
-
-    /// Concurrent completions are written in groups, one `UPDATE` in one turn of the writer
-    /// each, each answered once its group committed, as [`complete`](Store::complete) would
-    /// have answered it alone. (`idemkey_sqlx::group`, `SqliteStore::complete_group`.)
-    async fn complete_autocommit(
-        &self,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.grouped.complete(self, id, token, response, now).await
-    }
-
-    async fn insert(
-        &self,
-        conn: &mut SqliteConnection,
-        r: &NewRecord,
-    ) -> Result<Inserted, StoreError> {
-        statements::insert(conn, r).await
-    }
-
-    async fn fetch(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &RecordId,
-    ) -> Result<Option<Record>, StoreError> {
-        statements::fetch(conn, id).await
-    }
-
-    async fn replace(
-        &self,
-        conn: &mut SqliteConnection,
-        r: &NewRecord,
-        token: i64,
-    ) -> Result<Option<i64>, StoreError> {
-        statements::replace(conn, r, token).await
-    }
-
-    async fn complete(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        statements::complete(conn, id, token, response, now).await
-    }
-
-    async fn renew(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &RecordId,
-        token: i64,
-        lease_until: Timestamp,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        statements::renew(conn, id, token, lease_until, now).await
-    }
-
-    async fn mark_executing(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &RecordId,
-        token: i64,
-        lease_until: Timestamp,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        statements::mark_executing(conn, id, token, lease_until, now).await
-    }
-
-    async fn mark_indeterminate(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &RecordId,
-        token: i64,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        statements::mark_indeterminate(conn, id, token, now).await
-    }
-
-    async fn release(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &RecordId,
-        token: i64,
-    ) -> Result<bool, StoreError> {
-        statements::release(conn, id, token).await
-    }
-
     fn eviction_notices(&self) -> Option<EvictionNotices> {
         Some(evictions::follow(self.pool.clone()))
     }
-}
 
-impl StoreAdmin for SqliteStore {
-    async fn list(
-        &self,
-        conn: &mut SqliteConnection,
-        filter: &ListFilter,
-    ) -> Result<Vec<Record>, StoreError> {
-        statements::list(conn, filter).await
-    }
-
-    async fn find_by_key(
-        &self,
-        conn: &mut SqliteConnection,
-        tenant: &str,
-        key_hash: &[u8; 32],
-    ) -> Result<Vec<Record>, StoreError> {
-        statements::find_by_key(conn, tenant, key_hash).await
-    }
-
-    async fn evict(&self, conn: &mut SqliteConnection, id: &RecordId) -> Result<bool, StoreError> {
-        statements::evict(conn, id).await
-    }
-
-    async fn purge_batch(
-        &self,
-        conn: &mut SqliteConnection,
-        now: Timestamp,
-        from: Option<Timestamp>,
-        batch: u32,
-    ) -> Result<Purged, StoreError> {
-        statements::purge_batch(conn, now, from, batch).await
-    }
-
-    async fn append_audit(
-        &self,
-        conn: &mut SqliteConnection,
-        entry: &AuditEntry,
-    ) -> Result<(), StoreError> {
-        statements::append_audit(conn, entry).await
-    }
-
-    async fn audit(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &RecordId,
-    ) -> Result<Vec<AuditEntry>, StoreError> {
-        statements::audit(conn, id).await
-    }
-
-    async fn notify_evicted(
-        &self,
-        conn: &mut SqliteConnection,
-        id: &RecordId,
-    ) -> Result<(), StoreError> {
-        statements::notify_evicted(conn, id).await
-    }
+    crate::forward::store_statements!();
 }
