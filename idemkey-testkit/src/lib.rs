@@ -23,11 +23,13 @@ mod nats_cluster;
 mod pg_fault;
 mod pgbouncer;
 mod postgres;
+mod process;
 
 pub use self::conformance::Harness;
-pub use self::nats::{NATS_SERVER_ENV, NatsServer, Stop, nats_server_binary};
+pub use self::nats::{NATS_SERVER_ENV, NatsServer, nats_server_binary};
 pub use self::nats_cluster::{CLUSTER_SIZE, NatsCluster};
 pub use self::pg_fault::{CommitCut, PgFaultProxy, PgProxyStats};
 pub use self::pgbouncer::{PGBOUNCER_ENV, PgBouncer, pgbouncer_binary, pgbouncer_url};
 pub use self::postgres::*;
+pub use self::process::Stop;
 pub use idemkey_fault_proxy::{FaultConfig, FaultProxy, ProxyStats};

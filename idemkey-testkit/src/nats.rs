@@ -13,25 +13,20 @@
 //! temporary directory.)
 
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::process::{
+    PORT_ATTEMPTS, Process, Stop, free_port, installed_binary, port_taken, temporary_dir,
+};
 
 /// Environment variable naming the `nats-server` binary to run. Overrides discovery.
 pub const NATS_SERVER_ENV: &str = "IDEMKEY_NATS_SERVER";
 
 /// How long the server may take to accept connections.
-const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// How many times a first start is retried when its port was taken in the meantime.
-pub(crate) const PORT_ATTEMPTS: usize = 5;
-
-/// The server's log, in its directory.
-const LOG: &str = "nats.log";
-/// Written by the watchdog when the server exits, in its directory.
-const EXITED: &str = "nats.exited";
+pub(crate) const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A running (or stopped) throwaway `nats-server -js`.
 #[derive(Debug)]
@@ -40,15 +35,6 @@ pub struct NatsServer {
     port: u16,
     dir: tempfile::TempDir,
     running: Option<Process>,
-}
-
-/// How to stop the server.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stop {
-    /// `SIGTERM`: NATS shuts down in order.
-    Graceful,
-    /// `SIGKILL`: a crash.
-    Kill,
 }
 
 impl NatsServer {
@@ -61,7 +47,7 @@ impl NatsServer {
     #[track_caller]
     pub fn start() -> Self {
         let binary = nats_server_binary().unwrap_or_else(|message| panic!("{message}"));
-        let dir = temporary_dir("idemkey-nats-");
+        let dir = temporary_dir("idemkey-nats-", None);
         let mut server = Self {
             binary,
             port: 0,
@@ -142,126 +128,15 @@ impl NatsServer {
             "idemkey-test-nats".into(),
         ];
         let address = SocketAddr::from(([127, 0, 0, 1], self.port));
-        let mut process = Process::spawn(&self.binary, self.dir.path(), &args)?;
+        let mut process = Process::spawn("NATS server", &self.binary, self.dir.path(), &args)?;
         process.wait_until(
             || jetstream_ready(address),
             "accept connections with JetStream",
+            STARTUP_TIMEOUT,
         )?;
         self.running = Some(process);
         Ok(())
     }
-}
-
-/// One `nats-server` under its watchdog, its log and exit marker in a directory of its own.
-#[derive(Debug)]
-pub(crate) struct Process {
-    watchdog: Child,
-    lifeline: ChildStdin,
-    binary: PathBuf,
-    dir: PathBuf,
-    args: Vec<OsString>,
-}
-
-impl Process {
-    /// Runs `binary args` in `dir` under the watchdog (which stops it when this process is
-    /// gone), its output in `dir/nats.log`.
-    pub(crate) fn spawn(binary: &Path, dir: &Path, args: &[OsString]) -> Result<Self, String> {
-        let _ = std::fs::remove_file(dir.join(EXITED));
-        let mut watchdog = Command::new("/bin/sh");
-        watchdog
-            .args(["-c", WATCHDOG_SCRIPT, "idemkey-nats-watchdog"])
-            .arg(binary)
-            .arg(dir.join(EXITED))
-            .arg(dir.join(LOG))
-            .args(args)
-            .current_dir(dir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        // Keep terminal signals away from the watchdog: it must outlive the test process.
-        std::os::unix::process::CommandExt::process_group(&mut watchdog, 0);
-        let mut child = watchdog
-            .spawn()
-            .map_err(|e| format!("cannot start the NATS watchdog /bin/sh: {e}"))?;
-        let lifeline = child.stdin.take().expect("stdin is piped");
-        Ok(Self {
-            watchdog: child,
-            lifeline,
-            binary: binary.to_owned(),
-            dir: dir.to_owned(),
-            args: args.to_vec(),
-        })
-    }
-
-    /// Waits until `ready()` (polled every 20 ms, for at most 30 s); when the server exits
-    /// or the time is up, kills it and answers why, with its log.
-    pub(crate) fn wait_until(
-        &mut self,
-        mut ready: impl FnMut() -> bool,
-        what: &str,
-    ) -> Result<(), String> {
-        let deadline = Instant::now() + STARTUP_TIMEOUT;
-        let failure = loop {
-            if self.dir.join(EXITED).exists() {
-                break "exited during startup".to_owned();
-            }
-            if ready() {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                break format!("did not {what} within {STARTUP_TIMEOUT:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let _ = self.lifeline.write_all(b"kill\n");
-        let _ = self.lifeline.flush();
-        let _ = self.watchdog.wait();
-        Err(self.failure(&failure))
-    }
-
-    /// `the throwaway NATS server (…) <failure>`, and its log.
-    fn failure(&self, failure: &str) -> String {
-        let log = self.dir.join(LOG);
-        let log_text = std::fs::read_to_string(&log)
-            .unwrap_or_else(|e| format!("<cannot read {}: {e}>", log.display()));
-        let command: Vec<_> = self.args.iter().map(|a| a.to_string_lossy()).collect();
-        format!(
-            "the throwaway NATS server ({} {}) {failure}.\n\
-             --- server log ---\n{}\n--- end of server log ---",
-            self.binary.display(),
-            command.join(" "),
-            log_text.trim_end()
-        )
-    }
-
-    /// Stops the server and waits until it is gone.
-    pub(crate) fn stop(mut self, how: Stop) {
-        if how == Stop::Kill {
-            let _ = self.lifeline.write_all(b"kill\n");
-            let _ = self.lifeline.flush();
-        }
-        drop(self.lifeline);
-        let _ = self.watchdog.wait();
-    }
-}
-
-/// Whether another process holds `port` on 127.0.0.1 (a listener cannot bind it), asked once
-/// a start failed and its server is stopped: whether the port was taken in the meantime.
-/// Told by the bind's error kind, not by the server's log.
-pub(crate) fn port_taken(port: u16) -> bool {
-    matches!(
-        TcpListener::bind(("127.0.0.1", port)),
-        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse
-    )
-}
-
-/// A fresh temporary directory named `prefix…`.
-#[track_caller]
-pub(crate) fn temporary_dir(prefix: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(prefix)
-        .tempdir()
-        .unwrap_or_else(|e| panic!("cannot create a directory for a throwaway NATS server: {e}"))
 }
 
 impl Drop for NatsServer {
@@ -282,10 +157,6 @@ fn jetstream_ready(address: SocketAddr) -> bool {
         && line.contains("\"jetstream\":true")
 }
 
-pub(crate) fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// The `nats-server` binary: [`NATS_SERVER_ENV`], else `PATH`, else `/usr/sbin` and
 /// `/usr/bin` (Debian installs it in `/usr/sbin`, which a user's `PATH` may lack).
 pub fn nats_server_binary() -> Result<PathBuf, String> {
@@ -300,56 +171,15 @@ pub fn nats_server_binary() -> Result<PathBuf, String> {
             ))
         };
     }
-    let from_path = std::env::var_os("PATH")
-        .map(|path| std::env::split_paths(&path).collect::<Vec<_>>())
-        .unwrap_or_default();
-    from_path
-        .into_iter()
-        .chain(["/usr/sbin", "/usr/bin", "/usr/local/bin"].map(PathBuf::from))
-        .map(|dir| dir.join("nats-server"))
-        .find(|path| Path::new(path).is_file())
-        .ok_or_else(|| {
-            format!(
-                "cannot find the `nats-server` binary (looked in {NATS_SERVER_ENV}, PATH, \
+    installed_binary("nats-server").ok_or_else(|| {
+        format!(
+            "cannot find the `nats-server` binary (looked in {NATS_SERVER_ENV}, PATH, \
                  /usr/sbin, /usr/bin and /usr/local/bin): the NATS tests need it; install it \
                  with `apt-get install nats-server` (Debian's package) or set \
                  {NATS_SERVER_ENV}=/path/to/nats-server"
-            )
-        })
+        )
+    })
 }
-
-/// Runs `nats-server` and stops it when stdin says `kill` (`SIGKILL`) or reaches
-/// end-of-file (`SIGTERM`, escalated to `SIGKILL` after 10 s): the test process stops it, or
-/// is gone.
-///
-/// Arguments: `$1` the binary, `$2` a file written when the server exits, `$3` its log,
-/// then the server's own arguments.
-const WATCHDOG_SCRIPT: &str = r#"
-trap '' HUP INT
-exec 3<&0
-nats=$1 exited=$2 log=$3
-shift 3
-"$nats" "$@" </dev/null >"$log" 2>&1 3<&- &
-server=$!
-{
-    signal=TERM
-    while read -r line <&3; do
-        if [ "$line" = kill ]; then signal=KILL; break; fi
-    done
-    kill -"$signal" "$server" 2>/dev/null
-    n=0
-    while kill -0 "$server" 2>/dev/null && [ "$n" -lt 100 ]; do
-        sleep 0.1
-        n=$((n + 1))
-    done
-    kill -KILL "$server" 2>/dev/null
-} &
-reader=$!
-exec 3<&- 0</dev/null
-wait "$server"
-echo "$?" >"$exited"
-wait "$reader"
-"#;
 
 #[cfg(test)]
 mod tests {

@@ -5,9 +5,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::nats::{
-    PORT_ATTEMPTS, Process, Stop, free_port, nats_server_binary, port_taken, temporary_dir,
-};
+use crate::nats::{STARTUP_TIMEOUT, nats_server_binary};
+use crate::process::{PORT_ATTEMPTS, Process, Stop, free_port, port_taken, temporary_dir};
 
 /// How many servers a [`NatsCluster`] runs: the smallest cluster that keeps a quorum when
 /// one of them is down.
@@ -53,7 +52,7 @@ impl NatsCluster {
     #[track_caller]
     pub fn start() -> Self {
         let binary = nats_server_binary().unwrap_or_else(|message| panic!("{message}"));
-        let dir = temporary_dir("idemkey-nats-cluster-");
+        let dir = temporary_dir("idemkey-nats-cluster-", None);
         let mut cluster = Self {
             binary,
             dir,
@@ -169,6 +168,7 @@ impl NatsCluster {
             process.wait_until(
                 || node_ready(http_port),
                 &format!("become healthy ({name})"),
+                STARTUP_TIMEOUT,
             )?;
             self.nodes[i].running = Some(process);
             Ok(())
@@ -194,6 +194,7 @@ impl NatsCluster {
             match process.wait_until(
                 || node_ready(http_port),
                 &format!("become healthy ({name})"),
+                STARTUP_TIMEOUT,
             ) {
                 Ok(()) => self.nodes[i].running = Some(process),
                 Err(message) => failure = Some(message),
@@ -218,7 +219,12 @@ impl NatsCluster {
         let config = dir.join("node.conf");
         std::fs::write(&config, self.config(i))
             .map_err(|e| format!("cannot write {}: {e}", config.display()))?;
-        Process::spawn(&self.binary, &dir, &["-c".into(), config.into()])
+        Process::spawn(
+            "NATS server",
+            &self.binary,
+            &dir,
+            &["-c".into(), config.into()],
+        )
     }
 
     fn node_dir(&self, i: usize) -> PathBuf {

@@ -492,7 +492,7 @@ fn start_attempt(bindir: &Path, run_as: Option<&RunAs>) -> Result<Server, Attemp
     );
     // Told by the port, not by the log: a server that exited at startup while another
     // process holds its port lost the race for it.
-    if exited.exists() && crate::nats::port_taken(port) {
+    if exited.exists() && crate::process::port_taken(port) {
         Err(Attempt::PortTaken(message))
     } else {
         Err(Attempt::Failed(message))
