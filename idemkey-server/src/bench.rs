@@ -17,7 +17,7 @@ use serde::Serialize;
 use tokio::sync::Mutex;
 
 /// The load shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     /// A new key per request; compared with the unkeyed baseline route.

@@ -5,10 +5,15 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use idemkey_core::{FirstSentPolicy, FirstSentRequirement};
+use idemkey_core::{FirstSentPolicy, FirstSentRequirement, RecordState};
+use idemkey_outbox::{MessageState, NatsConfig, NatsSink, WebhookSink};
+use idemkey_tower::{InFlightPolicy, KeyRequirement};
 
-use crate::ApiKeys;
-use crate::secret::{SecretString, SecretUrl};
+use crate::gateway::{GatewayOptions, RouteRule, Upstream};
+use crate::keys::KeysAction;
+use crate::outbox::{OutboxAction, OutboxOptions, OutboxSink};
+use crate::secret::{KeySecretSource, SecretString, SecretUrl};
+use crate::{ApiKeys, ServeOptions};
 
 /// idemkey: safe retries for HTTP writes.
 #[derive(Debug, Parser)]
@@ -286,8 +291,8 @@ pub struct BenchArgs {
     #[arg(long, env = "IDEMKEY_TOKEN", hide_env_values = true)]
     pub token: SecretString,
     /// The load shape.
-    #[arg(long, value_enum, default_value_t = crate::bench::Mode::Fresh)]
-    pub mode: crate::bench::Mode,
+    #[arg(long, value_enum, default_value_t = BenchMode::Fresh)]
+    pub mode: BenchMode,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 32)]
     pub concurrency: usize,
@@ -333,6 +338,31 @@ pub struct BenchArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `idemkey bench --mode`: the load shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchMode {
+    /// A new key per request; compared with the unkeyed baseline route.
+    Fresh,
+    /// Keys already completed; compared with the fresh phase that created them.
+    Replay,
+    /// `--race-width` concurrent requests per key; effects read back to find duplicates.
+    Race,
+    /// A mix of replays (`--replay-ratio`), fresh keys, mismatched replays
+    /// (`--mismatch-ratio`, answered 422) and unkeyed requests (`--unkeyed-ratio`).
+    Mixed,
+}
+
+impl From<BenchMode> for crate::bench::Mode {
+    fn from(mode: BenchMode) -> Self {
+        match mode {
+            BenchMode::Fresh => Self::Fresh,
+            BenchMode::Replay => Self::Replay,
+            BenchMode::Race => Self::Race,
+            BenchMode::Mixed => Self::Mixed,
+        }
+    }
 }
 
 /// The key secret: what hashes keys (and seals the gateway's raw keys), and the previous one
@@ -942,6 +972,265 @@ pub enum KeysCommand {
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
         batch: u32,
     },
+}
+
+impl From<&KeySecretArgs> for KeySecretSource {
+    fn from(args: &KeySecretArgs) -> Self {
+        Self {
+            key_secret: args.key_secret.clone(),
+            key_secret_file: args.key_secret_file.clone(),
+            previous_key_secret: args.previous_key_secret.clone(),
+            previous_key_secret_file: args.previous_key_secret_file.clone(),
+        }
+    }
+}
+
+/// The sink the flags name, if any; an unusable URL or subject is refused, naming its flag.
+impl TryFrom<&OutboxArgs> for OutboxOptions {
+    type Error = anyhow::Error;
+
+    fn try_from(args: &OutboxArgs) -> anyhow::Result<Self> {
+        let sink = if let Some(url) = &args.outbox_webhook {
+            let sink = WebhookSink::with_timeout(url.expose(), args.outbox_delivery_timeout)
+                .map_err(|e| anyhow::anyhow!("--outbox-webhook: {e}"))?;
+            Some(OutboxSink::Webhook(sink))
+        } else if let (Some(url), Some(subject)) = (&args.outbox_nats, &args.outbox_subject) {
+            let mut config = NatsConfig::new(subject.clone());
+            config.ack_timeout = args.outbox_delivery_timeout.mul_f64(0.8);
+            NatsSink::check_subject(subject)
+                .map_err(|e| anyhow::anyhow!("--outbox-subject: {e}"))?;
+            NatsSink::check_servers(url).map_err(|e| anyhow::anyhow!("--outbox-nats: {e}"))?;
+            Some(OutboxSink::nats(url.clone(), config))
+        } else {
+            None
+        };
+        Ok(Self {
+            sink,
+            relay: OutboxOptions::relay_config(
+                args.outbox_delivery_timeout,
+                args.outbox_max_attempts,
+                args.outbox_max_backoff,
+                args.outbox_keep_sent,
+            ),
+        })
+    }
+}
+
+/// `--in-flight` with its `--wait-timeout`.
+fn in_flight(policy: InFlight, wait_timeout: Duration) -> InFlightPolicy {
+    match policy {
+        InFlight::Wait => InFlightPolicy::Wait(wait_timeout),
+        InFlight::Reject => InFlightPolicy::Reject,
+    }
+}
+
+/// `idemkey serve`'s options; API keys, the first-sent skew and the outbox sink are checked.
+impl TryFrom<&ServeArgs> for ServeOptions {
+    type Error = anyhow::Error;
+
+    fn try_from(args: &ServeArgs) -> anyhow::Result<Self> {
+        Ok(Self {
+            listen: args.listen,
+            api_keys: args.all_api_keys().map_err(anyhow::Error::msg)?,
+            database_url: args.db.database_url.clone(),
+            secret: (&args.secret).into(),
+            key_secret_in_database: args.key_secret_in_database,
+            simulate_latency: args.simulate_latency(),
+            retention: args.retention,
+            in_flight: in_flight(args.in_flight, args.wait_timeout),
+            purge_interval: args.purge_interval,
+            outbox: OutboxOptions::try_from(&args.outbox)?,
+            limits: args.limits.limits(),
+            first_sent: args
+                .first_sent
+                .policy(args.retention)
+                .map_err(anyhow::Error::msg)?,
+        })
+    }
+}
+
+/// `idemkey gateway`'s options; routes, answers, the upstream, the tenant source, the
+/// reconciler's URL and the first-sent skew are checked.
+impl TryFrom<&GatewayArgs> for GatewayOptions {
+    type Error = anyhow::Error;
+
+    fn try_from(args: &GatewayArgs) -> anyhow::Result<Self> {
+        let mut routes = Vec::new();
+        let required: Vec<&str> = if args.routes.is_empty() && args.optional_routes.is_empty() {
+            vec!["POST *"]
+        } else {
+            args.routes.iter().map(String::as_str).collect()
+        };
+        for spec in required {
+            routes.push(
+                RouteRule::parse(spec, KeyRequirement::Required, &args.answers)
+                    .map_err(anyhow::Error::msg)?,
+            );
+        }
+        for spec in &args.optional_routes {
+            routes.push(
+                RouteRule::parse(spec, KeyRequirement::Optional, &args.answers)
+                    .map_err(anyhow::Error::msg)?,
+            );
+        }
+        if let Some(template) = &args.reconcile_url
+            && !template.contains("{key}")
+        {
+            anyhow::bail!(
+                "--reconcile-url must contain {{key}}, e.g. http://svc/v1/transfers?idempotency_key={{key}}"
+            );
+        }
+        Ok(Self {
+            listen: args.listen,
+            upstream: Upstream::parse(&args.upstream).map_err(anyhow::Error::msg)?,
+            routes,
+            in_flight: in_flight(args.in_flight, args.wait_timeout),
+            lease: args.lease,
+            mark_at_reservation: args.point_of_no_return == PointOfNoReturn::WithReservation,
+            connect_timeout: args.connect_timeout,
+            upstream_idle_timeout: args.upstream_idle_timeout,
+            upstream_timeout: args.upstream_timeout,
+            max_request_body: args.max_request_body,
+            max_stored_response: args.max_stored_response,
+            retention: args.retention,
+            tenants: args.tenant_source().map_err(anyhow::Error::msg)?,
+            first_sent: args
+                .first_sent
+                .policy(args.retention)
+                .map_err(anyhow::Error::msg)?,
+            database_url: args.database_url.clone(),
+            secret: (&args.secret).into(),
+            key_secret_in_database: args.key_secret_in_database,
+            reconcile_url: args.reconcile_url.clone(),
+            reconcile_interval: args.reconcile_interval,
+            simulate_delay_before_forward: args.simulate_delay_before_forward(),
+            purge_interval: args.purge_interval,
+            limits: args.limits.limits(),
+        })
+    }
+}
+
+impl From<StateArg> for RecordState {
+    fn from(state: StateArg) -> Self {
+        match state {
+            StateArg::Reserved => Self::Reserved,
+            StateArg::Executing => Self::Executing,
+            StateArg::Completed => Self::Completed,
+            StateArg::Indeterminate => Self::Indeterminate,
+        }
+    }
+}
+
+impl From<MessageStateArg> for MessageState {
+    fn from(state: MessageStateArg) -> Self {
+        match state {
+            MessageStateArg::Pending => Self::Pending,
+            MessageStateArg::Sent => Self::Sent,
+            MessageStateArg::Dead => Self::Dead,
+        }
+    }
+}
+
+impl KeysCommand {
+    /// The database, the key secret and what to do with the records.
+    pub fn into_parts(self) -> (DbArgs, KeySecretSource, KeysAction) {
+        match self {
+            Self::List {
+                db,
+                secret,
+                tenant,
+                state,
+                older_than,
+                limit,
+                json,
+            } => (
+                db,
+                (&secret).into(),
+                KeysAction::List {
+                    tenant,
+                    state: state.map(Into::into),
+                    older_than,
+                    limit,
+                    json,
+                },
+            ),
+            Self::Show {
+                db,
+                secret,
+                tenant,
+                route,
+                key,
+            } => (
+                db,
+                (&secret).into(),
+                KeysAction::Show { tenant, route, key },
+            ),
+            Self::Evict {
+                db,
+                secret,
+                tenant,
+                route,
+                key,
+            } => (
+                db,
+                (&secret).into(),
+                KeysAction::Evict { tenant, route, key },
+            ),
+            Self::Resolve {
+                db,
+                secret,
+                tenant,
+                route,
+                completed,
+                released: _,
+                status,
+                body,
+                content_type,
+                note,
+                key,
+            } => (
+                db,
+                (&secret).into(),
+                KeysAction::Resolve {
+                    tenant,
+                    route,
+                    completed,
+                    status,
+                    body,
+                    content_type,
+                    note,
+                    key,
+                },
+            ),
+            Self::Purge { db, secret, batch } => {
+                (db, (&secret).into(), KeysAction::Purge { batch })
+            }
+        }
+    }
+}
+
+impl OutboxCommand {
+    /// The database, and what to do with its outbox.
+    pub fn into_parts(self) -> (DbArgs, OutboxAction) {
+        match self {
+            Self::List {
+                db,
+                state,
+                limit,
+                json,
+            } => (
+                db,
+                OutboxAction::List {
+                    state: state.map(Into::into),
+                    limit,
+                    json,
+                },
+            ),
+            Self::Show { db, id } => (db, OutboxAction::Show { id }),
+            Self::Retry { db, note, id } => (db, OutboxAction::Retry { id, note }),
+            Self::Drop { db, note, id } => (db, OutboxAction::Drop { id, note }),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -12,17 +12,68 @@ use idemkey_core::{
     StoredResponse, Timestamp, protocol,
 };
 
-use crate::cli::{KeySecretArgs, KeysCommand, StateArg};
 use crate::gateway::GatewayDb;
-use crate::secret::{KeySecrets, SecretUse, key_secrets};
+use crate::secret::{KeySecretSource, KeySecrets, SecretUse, key_secrets};
 
-fn state(s: StateArg) -> RecordState {
-    match s {
-        StateArg::Reserved => RecordState::Reserved,
-        StateArg::Executing => RecordState::Executing,
-        StateArg::Completed => RecordState::Completed,
-        StateArg::Indeterminate => RecordState::Indeterminate,
-    }
+/// An operator's command on the idempotency records (`idemkey keys …`).
+#[derive(Debug, Clone)]
+pub enum KeysAction {
+    /// List records, newest first.
+    List {
+        /// Only this tenant's.
+        tenant: Option<String>,
+        /// Only records in this state.
+        state: Option<RecordState>,
+        /// Only records created longer ago than this.
+        older_than: Option<std::time::Duration>,
+        /// At most this many.
+        limit: u32,
+        /// JSON lines instead of a table.
+        json: bool,
+    },
+    /// Show a tenant's records for one key, with their audit trails.
+    Show {
+        /// The tenant.
+        tenant: String,
+        /// Also show this route's audit trail when its record is gone (e.g. released).
+        route: Option<String>,
+        /// The Idempotency-Key, as the client sent it.
+        key: String,
+    },
+    /// Delete a record whatever its state (the key is free again).
+    Evict {
+        /// The tenant.
+        tenant: String,
+        /// Method and route template, e.g. "POST /v1/payments".
+        route: String,
+        /// The Idempotency-Key, as the client sent it.
+        key: String,
+    },
+    /// Settle an operation whose outcome is unknown (indeterminate), and audit it.
+    Resolve {
+        /// The tenant.
+        tenant: String,
+        /// Method and route, e.g. "POST /v1/transfers" (the gateway's: "POST *").
+        route: String,
+        /// The effect happened: store `status` and `body`, which retries replay; else the
+        /// effect did not happen and the key is freed.
+        completed: bool,
+        /// The stored status (when completed; required then).
+        status: Option<u16>,
+        /// The stored body (when completed).
+        body: String,
+        /// The stored Content-Type (when completed with a body).
+        content_type: String,
+        /// Why: kept in the audit trail.
+        note: Option<String>,
+        /// The Idempotency-Key, as the client sent it.
+        key: String,
+    },
+    /// Delete every expired record now, in batches of this many rows.
+    Purge {
+        /// Rows per batch.
+        batch: u32,
+    },
 }
 
 fn time(t: Timestamp) -> String {
@@ -121,42 +172,31 @@ fn hashers(secrets: &KeySecrets) -> Vec<KeyHasher> {
         .collect()
 }
 
-/// The key secret arguments of `command`.
-pub fn secret_args(command: &KeysCommand) -> &KeySecretArgs {
-    match command {
-        KeysCommand::List { secret, .. }
-        | KeysCommand::Show { secret, .. }
-        | KeysCommand::Evict { secret, .. }
-        | KeysCommand::Resolve { secret, .. }
-        | KeysCommand::Purge { secret, .. } => secret,
-    }
-}
-
 /// Runs one `keys` command against `db` (an existing database, opened with
 /// [`open_existing`](crate::open_existing), at `url`), writing to `out`.
 ///
-/// Every command needs the key secret the server uses, given or kept in the database; a
-/// missing one is an error, never a new secret.
+/// Every command needs the key secret the server uses, given (`secret`) or kept in the
+/// database; a missing one is an error, never a new secret.
 pub async fn run<S: GatewayDb>(
     db: S,
     url: &str,
-    command: KeysCommand,
+    secret: &KeySecretSource,
+    action: KeysAction,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
-    let secrets = key_secrets(&db, url, secret_args(&command), SecretUse::Open).await?;
+    let secrets = key_secrets(&db, url, secret, SecretUse::Open).await?;
     let now = Timestamp::now();
-    match command {
-        KeysCommand::List {
+    match action {
+        KeysAction::List {
             tenant,
-            state: st,
+            state,
             older_than,
             limit,
             json: as_json,
-            ..
         } => {
             let filter = ListFilter {
                 tenant,
-                state: st.map(state),
+                state,
                 created_before: older_than.map(|d| now.minus(d)),
                 limit,
             };
@@ -170,11 +210,10 @@ pub async fn run<S: GatewayDb>(
                 print_table(out, &records, now)?;
             }
         }
-        KeysCommand::Show {
+        KeysAction::Show {
             tenant,
             route,
             key: raw,
-            ..
         } => {
             let key = key(&raw)?;
             let mut conn = db.acquire().await?;
@@ -219,11 +258,10 @@ pub async fn run<S: GatewayDb>(
                 writeln!(out, "{}", serde_json::to_string_pretty(&view)?)?;
             }
         }
-        KeysCommand::Evict {
+        KeysAction::Evict {
             tenant,
             route,
             key: raw,
-            ..
         } => {
             let key = key(&raw)?;
             // The delete and its notice commit together: every instance that caches replays
@@ -245,7 +283,7 @@ pub async fn run<S: GatewayDb>(
                 None => anyhow::bail!("no record for this key on {}", normalize(&route)),
             }
         }
-        KeysCommand::Resolve {
+        KeysAction::Resolve {
             tenant,
             route,
             completed,
@@ -254,7 +292,6 @@ pub async fn run<S: GatewayDb>(
             content_type,
             note,
             key: raw,
-            ..
         } => {
             let key = key(&raw)?;
             // The record under the current secret, else under the previous one.
@@ -335,7 +372,7 @@ pub async fn run<S: GatewayDb>(
                 Err(e) => return Err(e.into()),
             }
         }
-        KeysCommand::Purge { batch, .. } => {
+        KeysAction::Purge { batch } => {
             let n = protocol::purge_expired(&db, now, batch).await?;
             writeln!(
                 out,

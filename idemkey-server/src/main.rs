@@ -1,9 +1,10 @@
 //! `idemkey`: parses the command line, wires the parts, reports errors.
 
 use clap::Parser;
-use idemkey_server::cli::{Cli, Command, InFlight, KeysCommand, OutboxCommand};
+use idemkey_server::cli::{Cli, Command};
 use idemkey_server::gateway::GatewayOptions;
-use idemkey_server::secret::{check_before_start, check_given};
+use idemkey_server::outbox::OutboxOptions;
+use idemkey_server::secret::{KeySecretSource, check_before_start, check_given};
 use idemkey_server::{
     Database, ServeOptions, connect, keys, open_existing, serve, serve_with, with_store,
 };
@@ -44,30 +45,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => {
             check_before_start(
                 &args.db.database_url,
-                &args.secret,
+                &KeySecretSource::from(&args.secret),
                 args.key_secret_in_database,
             )?;
-            let api_keys = args.all_api_keys().map_err(anyhow::Error::msg)?;
-            let options = ServeOptions {
-                listen: args.listen,
-                api_keys,
-                database_url: args.db.database_url.clone(),
-                secret: args.secret.clone(),
-                key_secret_in_database: args.key_secret_in_database,
-                simulate_latency: args.simulate_latency(),
-                retention: args.retention,
-                in_flight: match args.in_flight {
-                    InFlight::Wait => InFlightPolicy::Wait(args.wait_timeout),
-                    InFlight::Reject => InFlightPolicy::Reject,
-                },
-                purge_interval: args.purge_interval,
-                outbox: args.outbox.clone(),
-                limits: args.limits.limits(),
-                first_sent: args
-                    .first_sent
-                    .policy(args.retention)
-                    .map_err(anyhow::Error::msg)?,
-            };
+            let options = ServeOptions::try_from(&args)?;
             // Under `reject`, SQLite still waits for its single write lock (the default busy
             // time-out): refusing at once would refuse every concurrent write, any key.
             let lock_wait = match options.in_flight {
@@ -101,10 +82,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Gateway(args) => {
             check_before_start(
                 &args.database_url,
-                &args.secret,
+                &KeySecretSource::from(&args.secret),
                 args.key_secret_in_database,
             )?;
-            let options = GatewayOptions::from_args(&args)?;
+            let options = GatewayOptions::try_from(&args)?;
             let db = connect(
                 &args.database_url,
                 args.max_connections,
@@ -127,7 +108,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 baseline_path: args.baseline_path,
                 effects_path: args.effects_path,
                 token: args.token,
-                mode: args.mode,
+                mode: args.mode.into(),
                 concurrency: args.concurrency,
                 requests: args.requests,
                 duration: args.duration,
@@ -180,34 +161,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Relay(args) => {
             let url = &args.db.database_url;
             let db = open_existing(url, args.db.max_connections, DEFAULT_WAIT).await?;
-            with_store!(db, store => idemkey_server::outbox::relay(store, &args.outbox, args.listen).await)
+            let options = OutboxOptions::try_from(&args.outbox)?;
+            with_store!(db, store => idemkey_server::outbox::relay(store, options, args.listen).await)
         }
         Command::Outbox(command) => {
-            let db_args = match &command {
-                OutboxCommand::List { db, .. }
-                | OutboxCommand::Show { db, .. }
-                | OutboxCommand::Retry { db, .. }
-                | OutboxCommand::Drop { db, .. } => db.clone(),
-            };
+            let (db_args, action) = command.into_parts();
             let url = db_args.database_url;
             let db = open_existing(&url, db_args.max_connections, DEFAULT_WAIT).await?;
             let mut out = std::io::stdout().lock();
-            with_store!(db, store => idemkey_server::outbox::run(store, command, &mut out).await)
+            with_store!(db, store => idemkey_server::outbox::run(store, action, &mut out).await)
         }
         Command::Keys(command) => {
-            let (db_args, secret) = match &command {
-                KeysCommand::List { db, secret, .. }
-                | KeysCommand::Show { db, secret, .. }
-                | KeysCommand::Evict { db, secret, .. }
-                | KeysCommand::Resolve { db, secret, .. }
-                | KeysCommand::Purge { db, secret, .. } => (db.clone(), secret),
-            };
-            check_given(secret)?;
+            let (db_args, secret, action) = command.into_parts();
+            check_given(&secret)?;
             // Operator commands create nothing: no file, no tables, no secret.
             let url = db_args.database_url;
             let db = open_existing(&url, db_args.max_connections, DEFAULT_WAIT).await?;
             let mut out = std::io::stdout().lock();
-            with_store!(db, store => keys::run(store, &url, command, &mut out).await)
+            with_store!(db, store => keys::run(store, &url, &secret, action, &mut out).await)
         }
     }
 }

@@ -18,9 +18,43 @@ use prometheus_client::registry::Registry;
 use tokio::sync::OnceCell;
 
 use crate::AppDb;
-use crate::cli::{MessageStateArg, OutboxArgs, OutboxCommand};
 use crate::http_server::{self, HttpLimits};
 use crate::secret::SecretUrl;
+
+/// Where outbox messages go, and how hard the relay tries (`serve`, `idemkey relay`).
+#[derive(Debug, Clone, Default)]
+pub struct OutboxOptions {
+    /// Where messages go. Without a sink, `serve`'s payments emit no messages, and `relay`
+    /// has nowhere to deliver.
+    pub sink: Option<OutboxSink>,
+    /// The relay's attempts, back-off, claim and how long sent messages are kept.
+    pub relay: RelayConfig,
+}
+
+impl OutboxOptions {
+    /// The relay's configuration for deliveries bounded by `delivery_timeout`: at most
+    /// `max_attempts` attempts, waits doubling from 1 s up to `max_backoff`, sent messages
+    /// kept for `keep_sent`, and a claim of three delivery time-outs, after which a relay that
+    /// died leaves its messages to the next one.
+    pub fn relay_config(
+        delivery_timeout: Duration,
+        max_attempts: u32,
+        max_backoff: Duration,
+        keep_sent: Duration,
+    ) -> RelayConfig {
+        RelayConfig {
+            max_attempts,
+            backoff: Backoff {
+                first: Duration::from_secs(1).min(max_backoff),
+                max: max_backoff,
+            },
+            keep_sent,
+            delivery_timeout,
+            claim: delivery_timeout.saturating_mul(3),
+            ..RelayConfig::default()
+        }
+    }
+}
 
 /// Where messages go.
 #[derive(Debug, Clone)]
@@ -41,25 +75,16 @@ pub struct LazyNats {
 }
 
 impl OutboxSink {
-    /// The sink the arguments name, if any.
-    pub fn from_args(args: &OutboxArgs) -> anyhow::Result<Option<Self>> {
-        if let Some(url) = &args.outbox_webhook {
-            let sink = WebhookSink::with_timeout(url.expose(), args.outbox_delivery_timeout)
-                .map_err(|e| anyhow::anyhow!("--outbox-webhook: {e}"))?;
-            return Ok(Some(Self::Webhook(sink)));
-        }
-        let (Some(url), Some(subject)) = (&args.outbox_nats, &args.outbox_subject) else {
-            return Ok(None);
-        };
-        let mut config = NatsConfig::new(subject.clone());
-        config.ack_timeout = args.outbox_delivery_timeout.mul_f64(0.8);
-        NatsSink::check_subject(subject).map_err(|e| anyhow::anyhow!("--outbox-subject: {e}"))?;
-        NatsSink::check_servers(url).map_err(|e| anyhow::anyhow!("--outbox-nats: {e}"))?;
-        Ok(Some(Self::Nats(Arc::new(LazyNats {
-            url: url.clone(),
+    /// Publishes to NATS JetStream at `url` (one or more servers, separated by commas) with
+    /// `config`, connecting at the first delivery. Check the subject and the servers first
+    /// ([`NatsSink::check_subject`], [`NatsSink::check_servers`]): a bad one fails every
+    /// delivery.
+    pub fn nats(url: SecretUrl, config: NatsConfig) -> Self {
+        Self::Nats(Arc::new(LazyNats {
+            url,
             config,
             sink: OnceCell::new(),
-        }))))
+        }))
     }
 
     /// Where messages go, for the start-up line.
@@ -90,39 +115,26 @@ impl Sink for OutboxSink {
     }
 }
 
-/// The relay's configuration from the arguments.
-pub fn relay_config(args: &OutboxArgs) -> RelayConfig {
-    RelayConfig {
-        max_attempts: args.outbox_max_attempts,
-        backoff: Backoff {
-            first: Duration::from_secs(1).min(args.outbox_max_backoff),
-            max: args.outbox_max_backoff,
-        },
-        keep_sent: args.outbox_keep_sent,
-        delivery_timeout: args.outbox_delivery_timeout,
-        claim: args.outbox_delivery_timeout.saturating_mul(3),
-        ..RelayConfig::default()
-    }
-}
-
-/// Starts a relay of `db`'s outbox to `sink`, counting into `metrics`.
+/// Starts a relay of `db`'s outbox to `sink` under `config`, counting into `metrics`.
 pub fn spawn_relay<S: AppDb>(
     db: S,
     sink: OutboxSink,
-    args: &OutboxArgs,
+    config: RelayConfig,
     metrics: OutboxMetrics,
 ) -> RelayTask {
-    Relay::new(db, sink)
-        .config(relay_config(args))
-        .metrics(metrics)
-        .spawn()
+    Relay::new(db, sink).config(config).metrics(metrics).spawn()
 }
 
-/// `idemkey relay`: delivers until SIGTERM or Ctrl-C, then finishes the round in progress;
-/// meanwhile serves its metrics at `GET /metrics` on `listen`.
-pub async fn relay<S: AppDb>(db: S, args: &OutboxArgs, listen: SocketAddr) -> anyhow::Result<()> {
-    let sink =
-        OutboxSink::from_args(args)?.context("nowhere to deliver: pass --outbox-webhook URL, or --outbox-nats URL --outbox-subject SUBJECT")?;
+/// `idemkey relay`: delivers to `options`' sink until SIGTERM or Ctrl-C, then finishes the
+/// round in progress; meanwhile serves its metrics at `GET /metrics` on `listen`.
+pub async fn relay<S: AppDb>(
+    db: S,
+    options: OutboxOptions,
+    listen: SocketAddr,
+) -> anyhow::Result<()> {
+    let sink = options.sink.context(
+        "nowhere to deliver: pass --outbox-webhook URL, or --outbox-nats URL --outbox-subject SUBJECT",
+    )?;
     let limits = HttpLimits::default();
     let listener = http_server::bind(listen, &limits, 1).await?;
     let metrics = OutboxMetrics::new();
@@ -136,7 +148,7 @@ pub async fn relay<S: AppDb>(db: S, args: &OutboxArgs, listen: SocketAddr) -> an
         "idemkey relay serving its metrics on http://{}/metrics",
         listener.local_addr()?
     );
-    let task = spawn_relay(db, sink, args, metrics);
+    let task = spawn_relay(db, sink, options.relay, metrics);
     http_server::run(listener, app, limits, crate::serve::shutdown_signal()).await;
     task.shutdown().await;
     println!("idemkey relay stopped");
@@ -145,14 +157,6 @@ pub async fn relay<S: AppDb>(db: S, args: &OutboxArgs, listen: SocketAddr) -> an
 
 fn time(t: Timestamp) -> String {
     humantime::format_rfc3339_millis(t.to_system_time()).to_string()
-}
-
-fn state(arg: MessageStateArg) -> MessageState {
-    match arg {
-        MessageStateArg::Pending => MessageState::Pending,
-        MessageStateArg::Sent => MessageState::Sent,
-        MessageStateArg::Dead => MessageState::Dead,
-    }
 }
 
 fn json(m: &Message) -> serde_json::Value {
@@ -189,24 +193,54 @@ fn actor() -> String {
     )
 }
 
+/// An operator's command on the outbox (`idemkey outbox …`).
+#[derive(Debug, Clone)]
+pub enum OutboxAction {
+    /// List messages, newest first.
+    List {
+        /// Only messages in this state.
+        state: Option<MessageState>,
+        /// At most this many.
+        limit: u32,
+        /// JSON lines instead of a table.
+        json: bool,
+    },
+    /// Show one message: its state, attempts, last error, the bytes it is delivered as, and
+    /// the operators' actions on it.
+    Show {
+        /// The message id (`msg_…`).
+        id: String,
+    },
+    /// Make a dead message pending again, its attempts reset (audited).
+    Retry {
+        /// The message id.
+        id: String,
+        /// Why, for the audit trail.
+        note: Option<String>,
+    },
+    /// Delete a dead message: it will never be delivered (audited).
+    Drop {
+        /// The message id.
+        id: String,
+        /// Why, for the audit trail.
+        note: Option<String>,
+    },
+}
+
 /// Runs an `idemkey outbox …` command, writing what it has to say to `out`.
 pub async fn run<S: AppDb>(
     db: S,
-    command: OutboxCommand,
+    action: OutboxAction,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     let mut conn = db.acquire().await?;
-    match command {
-        OutboxCommand::List {
-            state: wanted,
+    match action {
+        OutboxAction::List {
+            state,
             limit,
             json: as_json,
-            ..
         } => {
-            let filter = MessageFilter {
-                state: wanted.map(state),
-                limit,
-            };
+            let filter = MessageFilter { state, limit };
             let messages = db.messages(&mut conn, &filter).await?;
             if as_json {
                 for m in &messages {
@@ -234,7 +268,7 @@ pub async fn run<S: AppDb>(
             let n = messages.len();
             writeln!(out, "({n} message{})", if n == 1 { "" } else { "s" })?;
         }
-        OutboxCommand::Show { id, .. } => {
+        OutboxAction::Show { id } => {
             let message = db
                 .message(&mut conn, &id)
                 .await?
@@ -246,7 +280,7 @@ pub async fn run<S: AppDb>(
             shown["audit"] = audit.iter().map(audit_json).collect();
             writeln!(out, "{}", serde_json::to_string_pretty(&shown)?)?;
         }
-        OutboxCommand::Retry { id, note, .. } => {
+        OutboxAction::Retry { id, note } => {
             let now = Timestamp::now();
             let mut tx = db.begin().await?;
             if !db.requeue(&mut tx, &id, now).await? {
@@ -260,7 +294,7 @@ pub async fn run<S: AppDb>(
                 "{id} is pending again with its attempts reset; the relay delivers it next"
             )?;
         }
-        OutboxCommand::Drop { id, note, .. } => {
+        OutboxAction::Drop { id, note } => {
             let now = Timestamp::now();
             let mut tx = db.begin().await?;
             if !db.remove_dead(&mut tx, &id).await? {

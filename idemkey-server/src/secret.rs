@@ -10,8 +10,21 @@ use idemkey_tower::IdempotencyLayer;
 use rand::RngCore;
 
 use crate::AppDb;
-use crate::cli::KeySecretArgs;
 use crate::gateway::GatewayDb;
+
+/// Where the key secret and, during a rotation, the previous one are given: each as a value
+/// or as a file holding it (its trailing newline ignored), never both.
+#[derive(Debug, Clone, Default)]
+pub struct KeySecretSource {
+    /// The secret keys are hashed (and the gateway's raw keys sealed) with.
+    pub key_secret: Option<SecretString>,
+    /// A file holding the key secret.
+    pub key_secret_file: Option<std::path::PathBuf>,
+    /// The secret used before `key_secret`, still accepted for look-ups.
+    pub previous_key_secret: Option<SecretString>,
+    /// A file holding the previous key secret.
+    pub previous_key_secret_file: Option<std::path::PathBuf>,
+}
 
 /// The `server_settings` row a database-kept secret lives in.
 const SETTING: &str = "key_hash_secret";
@@ -175,7 +188,7 @@ fn no_secret_to_start(url: &str) -> anyhow::Error {
 /// `--key-secret-in-database` says to keep it there. Fails fast, before any migration.
 pub fn check_before_start(
     url: &str,
-    args: &KeySecretArgs,
+    args: &KeySecretSource,
     in_database: bool,
 ) -> anyhow::Result<()> {
     let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
@@ -187,7 +200,7 @@ pub fn check_before_start(
 
 /// Every command that takes a key secret, before it opens anything: a given secret must be
 /// readable and at least [`MIN_SECRET_LEN`] bytes long.
-pub fn check_given(args: &KeySecretArgs) -> anyhow::Result<()> {
+pub fn check_given(args: &KeySecretSource) -> anyhow::Result<()> {
     given_secrets(args).map(drop)
 }
 
@@ -197,7 +210,7 @@ type Secret = Vec<u8>;
 /// The secrets `args` give: the current one (at least [`MIN_SECRET_LEN`] bytes) and the
 /// previous one. The previous one may be shorter: rotating away from a short secret is how
 /// an installation gets a long one.
-fn given_secrets(args: &KeySecretArgs) -> anyhow::Result<(Option<Secret>, Option<Secret>)> {
+fn given_secrets(args: &KeySecretSource) -> anyhow::Result<(Option<Secret>, Option<Secret>)> {
     let current = given(
         args.key_secret.as_ref().map(SecretString::expose),
         args.key_secret_file.as_deref(),
@@ -249,7 +262,7 @@ fn given(value: Option<&str>, file: Option<&Path>, flag: &str) -> anyhow::Result
 pub async fn migrate_for_start<S: AppDb>(
     db: &S,
     url: &str,
-    args: &KeySecretArgs,
+    args: &KeySecretSource,
     in_database: bool,
 ) -> anyhow::Result<KeySecrets> {
     db.migrate_all().await.context("migrations failed")?;
@@ -265,7 +278,7 @@ pub async fn migrate_for_start<S: AppDb>(
 pub async fn key_secrets<S: GatewayDb>(
     db: &S,
     url: &str,
-    args: &KeySecretArgs,
+    args: &KeySecretSource,
     usage: SecretUse,
 ) -> anyhow::Result<KeySecrets> {
     let url = redacted(url);

@@ -21,12 +21,11 @@ use rand::RngCore;
 use sqlx::sqlite::SqliteConnectOptions;
 use tower::ServiceExt;
 
-use crate::cli::{KeySecretArgs, OutboxArgs};
 use crate::gateway::GatewayDb;
 use crate::http_server::{self, HttpLimits};
-use crate::outbox::{OutboxSink, spawn_relay};
+use crate::outbox::{OutboxOptions, spawn_relay};
 use crate::problem::ApiError;
-use crate::secret::{KeySecrets, SecretUrl, migrate_for_start, redacted};
+use crate::secret::{KeySecretSource, KeySecrets, SecretUrl, migrate_for_start, redacted};
 use crate::{ApiKeys, AppConfig, AppDb, app};
 
 /// A connected database of either kind.
@@ -142,7 +141,7 @@ pub struct ServeOptions {
     /// The database URL, as messages name it.
     pub database_url: SecretUrl,
     /// The key secret (and the previous one); without one, see `key_secret_in_database`.
-    pub secret: KeySecretArgs,
+    pub secret: KeySecretSource,
     /// Keep a secret in the database when none is given (SQLite does so by default).
     pub key_secret_in_database: bool,
     /// Wait inside the payment transaction.
@@ -155,8 +154,9 @@ pub struct ServeOptions {
     pub first_sent: FirstSentPolicy,
     /// How often expired records are purged.
     pub purge_interval: Duration,
-    /// Where outbox messages go; without a sink, payments emit none.
-    pub outbox: OutboxArgs,
+    /// Where outbox messages go (without a sink, payments emit none), and how the relay
+    /// delivers them.
+    pub outbox: OutboxOptions,
     /// Timeouts and the connection limit of the HTTP server.
     pub limits: HttpLimits,
 }
@@ -239,7 +239,7 @@ where
         })
     };
     let metrics = Metrics::new();
-    let sink = OutboxSink::from_args(&options.outbox)?;
+    let sink = options.outbox.sink.clone();
     let outbox_metrics = sink.as_ref().map(|_| OutboxMetrics::new());
     let config = AppConfig {
         api_keys,
@@ -251,7 +251,7 @@ where
         outbox: outbox_metrics.clone(),
     };
     let purge_interval = options.purge_interval;
-    let outbox_args = options.outbox.clone();
+    let relay_config = options.outbox.relay.clone();
     let mut starting = tokio::spawn(async move {
         // "listening" is printed once the first attempt is over: at once ready, as before,
         // or known to wait for the database (a fatal first error prints nothing).
@@ -294,7 +294,7 @@ where
                     "outbox: each succeeded payment emits payment.succeeded, delivered to {}",
                     sink.describe()
                 );
-                Some(spawn_relay(db.clone(), sink, &outbox_args, counters))
+                Some(spawn_relay(db.clone(), sink, relay_config, counters))
             }
             _ => None,
         };

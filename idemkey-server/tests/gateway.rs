@@ -390,7 +390,7 @@ impl Db {
         let Command::Gateway(args) = cli.command else {
             panic!("not a gateway command line");
         };
-        let options = GatewayOptions::from_args(&args).expect("gateway options");
+        let options = GatewayOptions::try_from(&args).expect("gateway options");
         let db = SqliteStore::connect(&self.url).await.expect("SQLite");
         db.migrate_all().await.expect("migrations");
         let secrets = KeySecrets::new(&b"in-process gateway test secret, 32 bytes"[..], None);

@@ -203,7 +203,7 @@ async fn the_gateway_serves_the_layer_and_reconciler_families() {
     let CliCommand::Gateway(args) = Cli::try_parse_from(line).unwrap().command else {
         panic!("not a gateway command line");
     };
-    let options = GatewayOptions::from_args(&args).unwrap();
+    let options = GatewayOptions::try_from(&args).unwrap();
     let db = SqliteStore::connect(&url).await.unwrap();
     db.migrate_all().await.unwrap();
     let secrets = KeySecrets::new(&b"metrics doc gateway secret, 32 bytes long"[..], None);

@@ -31,9 +31,8 @@ use idemkey_tower::{
 };
 
 use crate::ApiKeys;
-use crate::cli::{GatewayArgs, InFlight, KeySecretArgs, PointOfNoReturn};
 use crate::http_server::{self, HttpLimits};
-use crate::secret::{KeySecrets, SecretUse, key_secrets};
+use crate::secret::{KeySecretSource, KeySecrets, SecretUse, key_secrets};
 use crate::serve::shutdown_signal;
 
 use self::metrics::GatewayMetrics;
@@ -315,7 +314,7 @@ pub struct GatewayOptions {
     /// The database URL, as messages name it.
     pub database_url: crate::secret::SecretUrl,
     /// The key secret (and the previous one); without one, see `key_secret_in_database`.
-    pub secret: KeySecretArgs,
+    pub secret: KeySecretSource,
     /// Keep a secret in the database when none is given (SQLite does so by default).
     pub key_secret_in_database: bool,
     /// The reconciler's URL template (`{key}` and `{tenant}` are replaced by the
@@ -329,67 +328,6 @@ pub struct GatewayOptions {
     pub purge_interval: Duration,
     /// Timeouts and the connection limit of the HTTP server.
     pub limits: HttpLimits,
-}
-
-impl GatewayOptions {
-    /// The options `idemkey gateway` runs with, from its command line.
-    pub fn from_args(args: &GatewayArgs) -> anyhow::Result<Self> {
-        let mut routes = Vec::new();
-        let required: Vec<&str> = if args.routes.is_empty() && args.optional_routes.is_empty() {
-            vec!["POST *"]
-        } else {
-            args.routes.iter().map(String::as_str).collect()
-        };
-        for spec in required {
-            routes.push(
-                RouteRule::parse(spec, KeyRequirement::Required, &args.answers)
-                    .map_err(anyhow::Error::msg)?,
-            );
-        }
-        for spec in &args.optional_routes {
-            routes.push(
-                RouteRule::parse(spec, KeyRequirement::Optional, &args.answers)
-                    .map_err(anyhow::Error::msg)?,
-            );
-        }
-        if let Some(template) = &args.reconcile_url
-            && !template.contains("{key}")
-        {
-            anyhow::bail!(
-                "--reconcile-url must contain {{key}}, e.g. http://svc/v1/transfers?idempotency_key={{key}}"
-            );
-        }
-        Ok(Self {
-            listen: args.listen,
-            upstream: Upstream::parse(&args.upstream).map_err(anyhow::Error::msg)?,
-            routes,
-            in_flight: match args.in_flight {
-                InFlight::Wait => InFlightPolicy::Wait(args.wait_timeout),
-                InFlight::Reject => InFlightPolicy::Reject,
-            },
-            lease: args.lease,
-            mark_at_reservation: args.point_of_no_return == PointOfNoReturn::WithReservation,
-            connect_timeout: args.connect_timeout,
-            upstream_idle_timeout: args.upstream_idle_timeout,
-            upstream_timeout: args.upstream_timeout,
-            max_request_body: args.max_request_body,
-            max_stored_response: args.max_stored_response,
-            retention: args.retention,
-            tenants: args.tenant_source().map_err(anyhow::Error::msg)?,
-            first_sent: args
-                .first_sent
-                .policy(args.retention)
-                .map_err(anyhow::Error::msg)?,
-            database_url: args.database_url.clone(),
-            secret: args.secret.clone(),
-            key_secret_in_database: args.key_secret_in_database,
-            reconcile_url: args.reconcile_url.clone(),
-            reconcile_interval: args.reconcile_interval,
-            simulate_delay_before_forward: args.simulate_delay_before_forward(),
-            purge_interval: args.purge_interval,
-            limits: args.limits.limits(),
-        })
-    }
 }
 
 /// What the gateway's handlers share.
