@@ -10,6 +10,9 @@
 //!   `nats-server`, that a test can stop and start again on the same port and store;
 //! - a throwaway three-node JetStream cluster ([`NatsCluster`]), whose nodes a test can kill
 //!   and start again one by one;
+//! - a throwaway MariaDB server ([`MariaDb`]) and a throwaway MariaDB Galera cluster
+//!   ([`GaleraCluster`]) on loopback, from the installed Debian packages, whose servers a
+//!   test can kill (`SIGKILL`) and start again;
 //! - [`PgFaultProxy`]: a TCP proxy in front of a PostgreSQL server that cuts a connection
 //!   right around a `COMMIT` ([`CommitCut`]), so the client cannot know whether its
 //!   transaction committed, or cuts every connection at once; tests use it to show that a
@@ -18,6 +21,7 @@
 //!   `idemkey demo` command can use it without the release binary linking this crate).
 
 pub mod conformance;
+mod mariadb;
 mod nats;
 mod nats_cluster;
 mod pg_fault;
@@ -26,6 +30,7 @@ mod postgres;
 mod process;
 
 pub use self::conformance::Harness;
+pub use self::mariadb::{GaleraCluster, MariaDb};
 pub use self::nats::{NATS_SERVER_ENV, NatsServer, nats_server_binary};
 pub use self::nats_cluster::{CLUSTER_SIZE, NatsCluster};
 pub use self::pg_fault::{CommitCut, PgFaultProxy, PgProxyStats};

@@ -261,28 +261,41 @@ fn start_server() -> Result<Server, String> {
 /// The user to run servers as when the tests run as root (PostgreSQL and PgBouncer refuse
 /// to run as root); `None` otherwise.
 pub(crate) fn root_fallback() -> Result<Option<RunAs>, String> {
+    run_as_when_root(
+        ROOT_FALLBACK_USER,
+        "PostgreSQL",
+        ", or set DATABASE_URL=postgres://...",
+    )
+}
+
+/// `user` (its ids), to run `server` as when the tests run as root; `None` otherwise. A
+/// missing user is an error that names it, ending with `hint`.
+pub(crate) fn run_as_when_root(
+    user: &'static str,
+    server: &str,
+    hint: &str,
+) -> Result<Option<RunAs>, String> {
     Ok(if current_uid()? == 0 {
-        // initdb and postgres refuse to run as root.
         let ids = |flag: &str| {
             let output = Command::new("id")
-                .args([flag, ROOT_FALLBACK_USER])
+                .args([flag, user])
                 .output()
                 .map_err(|e| format!("cannot run `id`: {e}"))?;
             if !output.status.success() {
                 return Err(format!(
-                    "the tests run as root, and PostgreSQL refuses to; but there is no \
-                     `{ROOT_FALLBACK_USER}` user to run it as ({}). Create that user, run \
-                     the tests as another user, or set DATABASE_URL=postgres://...",
+                    "the tests run as root, and {server} runs as `{user}` then; but there is \
+                     no `{user}` user ({}). Create that user, run the tests as another \
+                     user{hint}",
                     describe_output(&output)
                 ));
             }
             String::from_utf8_lossy(&output.stdout)
                 .trim()
                 .parse::<u32>()
-                .map_err(|e| format!("unexpected `id {flag} {ROOT_FALLBACK_USER}` output: {e}"))
+                .map_err(|e| format!("unexpected `id {flag} {user}` output: {e}"))
         };
         Some(RunAs {
-            user: ROOT_FALLBACK_USER,
+            user,
             uid: ids("-u")?,
             gid: ids("-g")?,
         })
@@ -539,7 +552,7 @@ wait "$reader"
 rm -rf "$base"
 "#;
 
-fn describe_output(output: &Output) -> String {
+pub(crate) fn describe_output(output: &Output) -> String {
     let mut text = format!("{}", output.status);
     for (name, bytes) in [("stdout", &output.stdout), ("stderr", &output.stderr)] {
         let s = String::from_utf8_lossy(bytes);
