@@ -1,6 +1,12 @@
 //! External mode: the owner flow after a reservation, for effects the store cannot share a
 //! transaction with. `idemkey gateway` is this flow plus a proxy handler.
 //!
+//! Steps 1 to 3 run on a task of their own, from just before the reservation: a client that
+//! hangs up (its server drops the layer's future) cannot strand a committed reservation
+//! that nobody owns, nor stop the owner between the point of no return and the recorded
+//! outcome; its answer is stored for its retry. Only a wait for another process's owner
+//! (step 1's polling) ends when the client goes.
+//!
 //! 1. Reserve the key with a lease; with
 //!    [`point_of_no_return_at_reservation`](crate::IdempotencyLayer::point_of_no_return_at_reservation),
 //!    the reservation marks the point of no return too. Under `wait`, attempts of one
@@ -8,9 +14,7 @@
 //!    until its outcome is written and cached, and the others wait for it in memory, then
 //!    find the outcome in the replay cache. Only the attempt holding the turn polls a
 //!    reservation held by another process, until its owner finishes or the bound passes.
-//! 2. On its own task, so that a client that hangs up cannot stop it between the point of
-//!    no return and the recorded outcome: run the handler with an [`External`] handle while
-//!    the lease is renewed.
+//! 2. Run the handler with an [`External`] handle while the lease is renewed.
 //! 3. Ask [`after_effect`] what becomes of the record, given how far the handler got
 //!    ([`owner_progress`]) and the route's [`AnswerRule`](idemkey_core::AnswerRule) (an
 //!    answer to store that cannot be read whole: [`answer_not_captured`]), and write that
@@ -30,6 +34,7 @@ use futures::FutureExt;
 use http::Request;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome, Lease};
 use idemkey_core::{AfterEffect, Clock, Store, after_effect, answer_not_captured, owner_progress};
+use tokio::sync::oneshot;
 use tower_service::Service;
 use tracing::Instrument;
 
@@ -51,7 +56,7 @@ pub(super) async fn run<S, M, I>(
     keyed: Keyed<S, M>,
     inner: I,
     req: Request<Body>,
-    mut claim: Claim,
+    claim: Claim,
     mode: mode::External,
     turn: Option<TurnGuard>,
     wait_left: Option<Duration>,
@@ -62,8 +67,44 @@ where
     I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
     I::Future: Send + 'static,
 {
+    // From the reservation on, the attempt runs on a task of its own: a client that hangs
+    // up (its server drops this future) cannot leave a reservation committed that nobody
+    // owns, nor stop the owner. The answer comes back on `answer`, whose receiver goes with
+    // the client.
+    let (mut answer, answered) = oneshot::channel();
+    tokio::spawn(
+        async move {
+            let response = attempt(keyed, inner, req, claim, mode, wait_left, &mut answer).await;
+            // This process's other attempts wake once the outcome is written and cached.
+            drop(turn);
+            let _ = answer.send(response);
+        }
+        .in_current_span(),
+    );
+    answered.await.unwrap_or_else(|_| {
+        tracing::error!("the owner's task failed");
+        IdempotencyRejection::Internal.into_response()
+    })
+}
+
+/// Reserves, then owns what it reserved to the end, whether the client waits or not.
+async fn attempt<S, M, I>(
+    keyed: Keyed<S, M>,
+    inner: I,
+    req: Request<Body>,
+    mut claim: Claim,
+    mode: mode::External,
+    wait_left: Option<Duration>,
+    client: &mut oneshot::Sender<Response>,
+) -> Response
+where
+    S: Store,
+    M: Mode,
+    I: Service<Request<Body>, Response = Response, Error = Infallible> + Send + 'static,
+    I::Future: Send + 'static,
+{
     let store = keyed.layer.store.clone();
-    let reserved = reserve_waiting(&keyed, &mut claim, &mode, wait_left).await;
+    let reserved = reserve_waiting(&keyed, &mut claim, &mode, wait_left, client).await;
     let (token, expires_at) = match reserved {
         Ok(ClaimOutcome::Owned { token, expires_at }) => (token, expires_at),
         Ok(other) => return keyed.answer_existing(other, &claim.id, &claim.fingerprint),
@@ -80,33 +121,20 @@ where
     if mode.marked_at_reservation {
         lease = lease.marked_at_reservation(claim.now);
     }
-    let owner = tokio::spawn(
-        async move {
-            let response = own(keyed, inner, req, lease, claim.fingerprint, expires_at).await;
-            // This process's other attempts wake once the outcome is written and cached.
-            drop(turn);
-            response
-        }
-        .in_current_span(),
-    );
-    match owner.await {
-        Ok(response) => response,
-        Err(e) => {
-            tracing::error!(error = %e, "the owner's task failed");
-            IdempotencyRejection::Internal.into_response()
-        }
-    }
+    own(keyed, inner, req, lease, claim.fingerprint, expires_at).await
 }
 
 /// Reserves `claim` with a lease. Under [`InFlightPolicy::Wait`], a reservation held by
 /// another attempt (of another process: this process's wait in memory for their turn) is
 /// polled until its owner finishes or the bound passes (`wait_left` of it, after a wait for
-/// the turn); then the last answer stands (`InFlight`).
+/// the turn), or the `client` has gone; then the last answer stands (`InFlight`). Each read
+/// runs to its end: one that reserves is owned whether the client waits or not.
 async fn reserve_waiting<S: Store, M: Mode>(
     keyed: &Keyed<S, M>,
     claim: &mut Claim,
     mode: &mode::External,
     wait_left: Option<Duration>,
+    client: &mut oneshot::Sender<Response>,
 ) -> protocol::Result<ClaimOutcome> {
     let clock = &keyed.config.clock;
     claim.now = clock.now();
@@ -125,7 +153,11 @@ async fn reserve_waiting<S: Store, M: Mode>(
             (ClaimOutcome::InFlight { .. }, Some(deadline))
                 if clock.now().plus(POLL) < deadline =>
             {
-                clock.sleep(POLL).await;
+                tokio::select! {
+                    () = clock.sleep(POLL) => {}
+                    // Nobody waits for the answer: the turn goes to whoever does.
+                    () = client.closed() => return Ok(outcome),
+                }
                 claim.now = clock.now();
             }
             _ => return Ok(outcome),

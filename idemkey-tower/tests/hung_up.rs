@@ -1,0 +1,465 @@
+//! A client that hangs up once its key is reserved, in external mode: the server drops the
+//! layer's future (hyper does, on the client's end of stream) while the reservation's write
+//! is committed but not yet answered. The reservation and its owner's exchange run to the
+//! end all the same: the retry gets the one stored answer, never a wait for the lease.
+//!
+//! The store is a real SQLite store behind a wrapper that holds the first reservation, once
+//! committed, until the test lets it answer, and says whether it answered or was dropped on
+//! the way. The clock is the test's and never moves: a lease never lapses here.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use http::{Request, StatusCode};
+use idemkey_core::{
+    Begun, CommitError, EvictionNotices, Inserted, KeyHasher, ListFilter, NewRecord, Record,
+    RecordId, RecordState, Store, StoreAdmin, StoreError, StoredResponse, Timestamp,
+};
+use idemkey_sqlite::SqliteStore;
+use idemkey_tower::{External, IdempotencyLayer, InFlightPolicy, REPLAYED_HEADER};
+use support::ManualClock;
+use tokio::sync::{Notify, Semaphore, mpsc};
+use tower::ServiceExt;
+
+/// What became of the held reservation's call.
+#[derive(Debug, PartialEq, Eq)]
+enum Fate {
+    /// It answered whoever called it.
+    Answered,
+    /// It was dropped before it could answer: whoever called it is gone.
+    Dropped,
+}
+
+/// Holds the first reservation once committed, and the stored outcomes.
+#[derive(Debug)]
+struct Hold {
+    armed: AtomicBool,
+    /// Told once the held reservation is committed.
+    committed: Notify,
+    /// The held reservation answers once this has a permit.
+    answer: Semaphore,
+    fate: mpsc::UnboundedSender<Fate>,
+    /// Told once an owner's outcome is stored.
+    completed: Notify,
+}
+
+impl Hold {
+    /// Holds the first reservation when `armed`; `Fate`s go to the receiver.
+    fn new(armed: bool) -> (Arc<Self>, mpsc::UnboundedReceiver<Fate>) {
+        let (fate, fates) = mpsc::unbounded_channel();
+        let hold = Self {
+            armed: AtomicBool::new(armed),
+            committed: Notify::new(),
+            answer: Semaphore::new(0),
+            fate,
+            completed: Notify::new(),
+        };
+        (Arc::new(hold), fates)
+    }
+}
+
+/// Sends [`Fate::Dropped`] unless defused: dropped with the call it guards.
+struct FateGuard<'a>(&'a mpsc::UnboundedSender<Fate>, bool);
+
+impl Drop for FateGuard<'_> {
+    fn drop(&mut self) {
+        let fate = if self.1 {
+            Fate::Answered
+        } else {
+            Fate::Dropped
+        };
+        let _ = self.0.send(fate);
+    }
+}
+
+/// A store whose first reservation waits, committed, for the test before it answers.
+#[derive(Debug, Clone)]
+struct Held<S> {
+    inner: S,
+    hold: Arc<Hold>,
+}
+
+impl<S: Store> Store for Held<S> {
+    type Connection = S::Connection;
+    type Transaction = S::Transaction;
+    type PooledConnection = S::PooledConnection;
+
+    async fn begin(&self) -> Result<Self::Transaction, StoreError> {
+        self.inner.begin().await
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
+        self.inner.commit(tx).await
+    }
+
+    async fn limit_lock_wait(
+        &self,
+        conn: &mut Self::Connection,
+        wait: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.limit_lock_wait(conn, wait).await
+    }
+
+    async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {
+        self.inner.acquire().await
+    }
+
+    async fn acquire_for_write(&self) -> Result<Self::PooledConnection, StoreError> {
+        self.inner.acquire_for_write().await
+    }
+
+    async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
+        let inserted = self.inner.insert_autocommit(record).await;
+        if !self.hold.armed.swap(false, Ordering::SeqCst) {
+            return inserted;
+        }
+        let mut fate = FateGuard(&self.hold.fate, false);
+        self.hold.committed.notify_one();
+        self.hold.answer.acquire().await.expect("open").forget();
+        fate.1 = true;
+        inserted
+    }
+
+    async fn complete_autocommit(
+        &self,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let done = self
+            .inner
+            .complete_autocommit(id, token, response, now)
+            .await;
+        self.hold.completed.notify_one();
+        done
+    }
+
+    async fn insert(
+        &self,
+        conn: &mut Self::Connection,
+        record: &NewRecord,
+    ) -> Result<Inserted, StoreError> {
+        self.inner.insert(conn, record).await
+    }
+
+    async fn begin_claim(
+        &self,
+        record: &NewRecord,
+        lock_wait: Option<Duration>,
+    ) -> Result<Begun<Self::Transaction>, StoreError> {
+        self.inner.begin_claim(record, lock_wait).await
+    }
+
+    async fn complete_and_commit(
+        &self,
+        tx: Self::Transaction,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<(), CommitError> {
+        self.inner
+            .complete_and_commit(tx, id, token, response, now)
+            .await
+    }
+
+    async fn fetch(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+    ) -> Result<Option<Record>, StoreError> {
+        self.inner.fetch(conn, id).await
+    }
+
+    async fn replace(
+        &self,
+        conn: &mut Self::Connection,
+        record: &NewRecord,
+        token: i64,
+    ) -> Result<Option<i64>, StoreError> {
+        self.inner.replace(conn, record, token).await
+    }
+
+    async fn complete(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(conn, id, token, response, now).await
+    }
+
+    async fn renew(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+        token: i64,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        self.inner.renew(conn, id, token, lease_until, now).await
+    }
+
+    async fn mark_executing(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+        token: i64,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        self.inner
+            .mark_executing(conn, id, token, lease_until, now)
+            .await
+    }
+
+    async fn mark_indeterminate(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+        token: i64,
+        now: Timestamp,
+    ) -> Result<bool, StoreError> {
+        self.inner.mark_indeterminate(conn, id, token, now).await
+    }
+
+    async fn release(
+        &self,
+        conn: &mut Self::Connection,
+        id: &RecordId,
+        token: i64,
+    ) -> Result<bool, StoreError> {
+        self.inner.release(conn, id, token).await
+    }
+
+    fn eviction_notices(&self) -> Option<EvictionNotices> {
+        self.inner.eviction_notices()
+    }
+}
+
+type HeldStore = Held<SqliteStore>;
+
+/// The other service: counts its calls; with body `hold`, a call waits for a permit after
+/// its effect.
+#[derive(Clone)]
+struct Bank {
+    calls: Arc<AtomicUsize>,
+    entered: Arc<Notify>,
+    proceed: Arc<Semaphore>,
+}
+
+impl Default for Bank {
+    fn default() -> Self {
+        Self {
+            calls: Arc::default(),
+            entered: Arc::default(),
+            proceed: Arc::new(Semaphore::new(0)),
+        }
+    }
+}
+
+async fn transfer(State(bank): State<Bank>, op: External<HeldStore>, body: Bytes) -> Response {
+    if let Err(rejection) = op.point_of_no_return().await {
+        return rejection.into_response();
+    }
+    let n = bank.calls.fetch_add(1, Ordering::SeqCst) + 1;
+    if body.as_ref() == b"hold" {
+        bank.entered.notify_one();
+        bank.proceed.acquire().await.expect("open").forget();
+    }
+    (StatusCode::CREATED, format!("{{\"transfer\":{n}}}")).into_response()
+}
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    clock: Arc<ManualClock>,
+    sqlite: SqliteStore,
+    hold: Arc<Hold>,
+    fate: mpsc::UnboundedReceiver<Fate>,
+    bank: Bank,
+    app: Router,
+}
+
+/// External mode with a 10 s lease on a clock that never moves; the first reservation is
+/// held when `armed`.
+async fn setup(policy: InFlightPolicy, armed: bool) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite:{}", dir.path().join("t.db").display());
+    let sqlite = SqliteStore::connect(&url).await.unwrap();
+    sqlite.migrate().await.unwrap();
+    let (hold, fate) = Hold::new(armed);
+    let bank = Bank::default();
+    let clock = ManualClock::new();
+    let app = instance(&sqlite, &hold, &bank, policy, clock.clone());
+    Setup {
+        _dir: dir,
+        clock,
+        sqlite,
+        hold,
+        fate,
+        bank,
+        app,
+    }
+}
+
+/// One instance (a process): a layer of its own (turns and replay cache) over `sqlite`.
+fn instance(
+    sqlite: &SqliteStore,
+    hold: &Arc<Hold>,
+    bank: &Bank,
+    policy: InFlightPolicy,
+    clock: Arc<ManualClock>,
+) -> Router {
+    let store = Held {
+        inner: sqlite.clone(),
+        hold: hold.clone(),
+    };
+    let layer = IdempotencyLayer::new(store, KeyHasher::new(b"a test secret of 32 bytes or more"))
+        .external(Duration::from_secs(10))
+        .in_flight(policy)
+        .clock(clock);
+    Router::new()
+        .route("/transfers", post(transfer).layer(layer))
+        .with_state(bank.clone())
+}
+
+fn request(body: &'static str) -> Request<Body> {
+    Request::post("/transfers")
+        .header("idempotency-key", "one-key")
+        .body(Body::from(body))
+        .unwrap()
+}
+
+async fn send(app: &Router, body: &'static str) -> (StatusCode, bool, String) {
+    let response = app.clone().oneshot(request(body)).await.unwrap();
+    let status = response.status();
+    let replayed = response.headers().contains_key(REPLAYED_HEADER);
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (
+        status,
+        replayed,
+        String::from_utf8_lossy(&bytes).into_owned(),
+    )
+}
+
+impl Setup {
+    /// Sends a request and drops it once its reservation is committed, before the
+    /// reservation answers (the client hangs up; the server drops the layer's future); then
+    /// lets the reservation answer, and says whether anyone was still there to take it.
+    async fn hang_up_once_reserved(&mut self, body: &'static str) -> Fate {
+        let mut first = Box::pin(self.app.clone().oneshot(request(body)));
+        tokio::select! {
+            biased;
+            () = self.hold.committed.notified() => {}
+            answer = &mut first => panic!("answered before its reservation: {answer:?}"),
+        }
+        drop(first);
+        self.hold.answer.add_permits(1);
+        self.fate.recv().await.expect("the reservation's fate")
+    }
+
+    async fn states(&self) -> Vec<RecordState> {
+        let mut conn = self.sqlite.acquire().await.unwrap();
+        let records = (self.sqlite.list(&mut conn, &ListFilter::default()).await).unwrap();
+        records.into_iter().map(|r| r.state).collect()
+    }
+}
+
+/// Under the default `wait`, the retry waits in memory for the departed attempt's owner,
+/// and replays its stored answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_whose_client_hung_up_is_owned_to_the_end() {
+    let mut s = setup(InFlightPolicy::default(), true).await;
+    assert_eq!(
+        s.hang_up_once_reserved("go").await,
+        Fate::Answered,
+        "the reservation was dropped with the client: its key is left reserved, owned by nobody"
+    );
+    let (status, replayed, text) = send(&s.app, "go").await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true), "{text}");
+    assert_eq!(text, r#"{"transfer":1}"#);
+    assert_eq!(s.states().await, [RecordState::Completed]);
+    // Nothing of it waits for the lease: past it, the same answer.
+    s.clock.advance(Duration::from_secs(10));
+    let (status, replayed, later) = send(&s.app, "go").await;
+    assert_eq!((status, replayed, later), (StatusCode::CREATED, true, text));
+    assert_eq!(s.bank.calls.load(Ordering::SeqCst), 1);
+}
+
+/// Under `reject`, a retry while the departed attempt's owner still works gets 409 at
+/// once, and the stored answer once the owner is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_reject_the_retry_is_in_flight_then_replays() {
+    let mut s = setup(InFlightPolicy::Reject, true).await;
+    assert_eq!(
+        s.hang_up_once_reserved("hold").await,
+        Fate::Answered,
+        "the reservation was dropped with the client: its key is left reserved, owned by nobody"
+    );
+    s.bank.entered.notified().await;
+    let (status, replayed, text) = send(&s.app, "hold").await;
+    assert_eq!((status, replayed), (StatusCode::CONFLICT, false), "{text}");
+    assert!(text.contains("request-in-flight"), "{text}");
+    let completed = s.hold.completed.notified();
+    s.bank.proceed.add_permits(1);
+    completed.await;
+    let (status, replayed, text) = send(&s.app, "hold").await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, true), "{text}");
+    assert_eq!(text, r#"{"transfer":1}"#);
+    assert_eq!(s.bank.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(s.states().await, [RecordState::Completed]);
+}
+
+/// A client that leaves while its attempt waits for another process's owner: that wait
+/// ends with it, so the next attempt of the key in this process is not held behind it.
+/// The test's clock never moves, so a wait that went on would never end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_another_process_ends_when_its_client_leaves() {
+    let s = setup(InFlightPolicy::default(), false).await;
+    let owner = {
+        let app = s.app.clone();
+        tokio::spawn(async move { send(&app, "hold").await })
+    };
+    s.bank.entered.notified().await;
+    // Another process: its own layer, hold and clock.
+    let (hold, _fates) = Hold::new(false);
+    let clock = ManualClock::new();
+    let other = instance(
+        &s.sqlite,
+        &hold,
+        &s.bank,
+        InFlightPolicy::default(),
+        clock.clone(),
+    );
+    let mut leaving = Box::pin(other.clone().oneshot(request("hold")));
+    tokio::select! {
+        biased;
+        () = clock.sleeping(1) => {}
+        answer = &mut leaving => panic!("answered while the owner works: {answer:?}"),
+    }
+    drop(leaving); // found the key in flight and polls it: the client leaves
+    s.bank.proceed.add_permits(1);
+    let (status, replayed, text) = owner.await.unwrap();
+    assert_eq!((status, replayed), (StatusCode::CREATED, false), "{text}");
+    let next = tokio::time::timeout(Duration::from_secs(30), send(&other, "hold"))
+        .await
+        .expect("the next attempt waited behind a client that had left");
+    assert_eq!(
+        (next.0, next.1, next.2.as_str()),
+        (StatusCode::CREATED, true, r#"{"transfer":1}"#)
+    );
+    assert_eq!(s.bank.calls.load(Ordering::SeqCst), 1);
+}
