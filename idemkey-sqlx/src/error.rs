@@ -3,6 +3,7 @@
 //! never its message.
 
 use idemkey_core::{BoxError, StoreError};
+use sqlx::error::DatabaseError;
 
 /// What a database's own error code says, as a store's dialect reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,11 +17,21 @@ pub enum Code {
     Other,
 }
 
-/// Classifies a sqlx error. `code` reads the database's own error code.
+/// Classifies a sqlx error. `code` reads the database's own error code (its SQLSTATE).
 pub fn classify_error(error: sqlx::Error, code: impl Fn(&str) -> Code) -> StoreError {
+    classify_error_by(error, by_sqlstate(code))
+}
+
+/// Classifies a sqlx error, `code` reading the database's error itself: for a dialect whose
+/// telling code is not the SQLSTATE (MySQL's error numbers, which the driver's own error
+/// type carries).
+pub fn classify_error_by(
+    error: sqlx::Error,
+    code: impl Fn(&dyn DatabaseError) -> Code,
+) -> StoreError {
     use sqlx::Error as E;
     match error {
-        E::Database(db) => match db.code().map_or(Code::Other, |c| code(&c)) {
+        E::Database(db) => match code(&*db) {
             Code::Busy => StoreError::Busy(Box::new(E::Database(db))),
             Code::ConnectionLost => StoreError::Unavailable(Box::new(E::Database(db))),
             Code::Other => StoreError::Database(Box::new(E::Database(db))),
@@ -41,11 +52,25 @@ pub fn classify_error(error: sqlx::Error, code: impl Fn(&str) -> Code) -> StoreE
 /// and code, never by message. A store may retry a statement that has no effect of its own
 /// (`BEGIN`) on another connection after such an error.
 pub fn is_connection_lost(error: &sqlx::Error, code: impl Fn(&str) -> Code) -> bool {
+    is_connection_lost_by(error, by_sqlstate(code))
+}
+
+/// [`is_connection_lost`], `code` reading the database's error itself, as for
+/// [`classify_error_by`].
+pub fn is_connection_lost_by(
+    error: &sqlx::Error,
+    code: impl Fn(&dyn DatabaseError) -> Code,
+) -> bool {
     match error {
         sqlx::Error::Io(_) => true,
-        sqlx::Error::Database(db) => db.code().is_some_and(|c| code(&c) == Code::ConnectionLost),
+        sqlx::Error::Database(db) => code(&**db) == Code::ConnectionLost,
         _ => false,
     }
+}
+
+/// A reader of a database error's SQLSTATE by `code`; no SQLSTATE is [`Code::Other`].
+fn by_sqlstate(code: impl Fn(&str) -> Code) -> impl Fn(&dyn DatabaseError) -> Code {
+    move |db| db.code().map_or(Code::Other, |c| code(&c))
 }
 
 #[cfg(test)]

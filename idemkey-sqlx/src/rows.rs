@@ -1,7 +1,8 @@
 //! The rows of the tables, as the sqlx stores select them, and the binds they share.
 //!
-//! Both dialects store the same columns with the same Rust types (`TEXT`, `BLOB`/`BYTEA`,
-//! 64-bit integers), so one `FromRow` type reads a record from either.
+//! Every dialect stores the same columns with the same Rust types (text, bytes, 64-bit
+//! integers), so one `FromRow` type reads a record from any of them. (MySQL keeps the tenant
+//! and the route as bytes, compared byte for byte, and selects them cast to text.)
 
 use idemkey_core::outbox::{Message, MessageState, OutboxAuditEntry};
 use idemkey_core::{
