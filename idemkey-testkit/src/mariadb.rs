@@ -210,9 +210,9 @@ impl Drop for MariaDb {
 ///
 /// Nodes are numbered from 0. [`GaleraCluster::kill9`] crashes one and waits until the
 /// others have left it out of their view; [`GaleraCluster::restart`] starts it again on the
-/// same ports and data, and it rejoins (by an incremental transfer when the others still
-/// hold what it missed, else a snapshot). Dropped, every node is killed and the directory
-/// deleted.
+/// same ports and data, and it rejoins: by an incremental transfer after a `SIGTERM`, by a
+/// snapshot after a `SIGKILL`, which leaves its position unknown (`rsync` sends only what
+/// differs). Dropped, every node is killed and the directory deleted.
 #[derive(Debug)]
 pub struct GaleraCluster {
     kit: Kit,

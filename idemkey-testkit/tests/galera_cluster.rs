@@ -197,6 +197,14 @@ fn a_node_killed_with_sigkill_rejoins_and_sees_what_was_written_while_it_was_dow
         read_synced(&cluster, 0, "SELECT v FROM t WHERE id = 3"),
         "back"
     );
+
+    // The node that bootstrapped the cluster, stopped in order and started again, joins it
+    // like any other.
+    let restarted = Instant::now();
+    cluster.restart(0);
+    println!("node 1 restarted in {:?}", restarted.elapsed());
+    assert_eq!(cluster_size(&cluster, 0), "3");
+    assert_eq!(read_synced(&cluster, 0, "SELECT COUNT(*) FROM t"), "3");
 }
 
 #[test]
