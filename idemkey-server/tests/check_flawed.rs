@@ -4,7 +4,7 @@
 
 mod common;
 
-use idemkey_server::check::{self, CheckOptions, Level, Report, Verdict};
+use idemkey_server::check::{self, CheckOptions, Level, Profile, Report, Verdict};
 
 use self::common::flawed::{self, Flaw};
 
@@ -14,6 +14,11 @@ const BODY: &str = r#"{"item":"book","qty":1}"#;
 /// Runs the checker against the server with `flaw`, counting its executions at `/effects`
 /// when `effects`, else telling them apart by the answers' bodies.
 async fn check(flaw: Flaw, effects: bool) -> Report {
+    check_under(flaw, effects, Profile::Ietf).await
+}
+
+/// [`check`] under `profile`.
+async fn check_under(flaw: Flaw, effects: bool, profile: Profile) -> Report {
     let base = flawed::start(flaw).await;
     let mut options = CheckOptions::new(format!("{base}/orders"), BODY);
     options.headers = vec![("Authorization".into(), "Bearer a".into())];
@@ -21,6 +26,7 @@ async fn check(flaw: Flaw, effects: bool) -> Report {
     options.race = 8;
     options.max_writes = 200;
     options.effects = effects.then(|| format!("{base}/effects"));
+    options.profile = profile;
     match check::run(options).await {
         Ok(report) => report,
         Err(e) => panic!("{flaw:?}: the checker did not run: {e}"),
@@ -105,4 +111,46 @@ async fn shared_keys_fail_scope() {
 async fn optional_key_fails_key_missing() {
     let flaw = Flaw::KeyOptional;
     assert_caught(flaw, &check(flaw, true).await, "key-missing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_as_conflict_fails_replay_same_bytes() {
+    let flaw = Flaw::ReplayAsConflict;
+    assert_caught(flaw, &check(flaw, false).await, "replay-same-bytes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locked_while_in_flight_passes_the_required_checks() {
+    let report = check(Flaw::LockedWhileInFlight, true).await;
+    assert_passes(&report);
+    let saw = |id| report.check(id).map(|c| c.saw.clone()).unwrap_or_default();
+    assert!(
+        saw("race-one-execution").contains("× 423"),
+        "{}",
+        report.table()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_keys_pass_under_ietf_as_a_fact() {
+    let report = check(Flaw::LongKeysAccepted, true).await;
+    assert_passes(&report);
+    let too_long = report.check("key-too-long");
+    assert_eq!(
+        too_long.map(|c| (c.level, c.verdict)),
+        Some((Level::Advisory, Verdict::Info)),
+        "{}",
+        report.table()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_keys_fail_key_too_long_under_stripe() {
+    let flaw = Flaw::LongKeysAccepted;
+    let report = check_under(flaw, true, Profile::Stripe).await;
+    assert_caught(flaw, &report, "key-too-long");
+    assert_eq!(
+        report.check("key-too-long").map(|c| c.level),
+        Some(Level::Required)
+    );
 }

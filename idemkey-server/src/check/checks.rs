@@ -25,6 +25,8 @@ const IETF_FINGERPRINT: &str = "IETF draft-ietf-httpapi-idempotency-key-header �
 const IETF_CONCURRENT: &str = "IETF draft-ietf-httpapi-idempotency-key-header §2.7";
 /// Stripe's idempotent requests.
 const STRIPE: &str = "Stripe: Idempotent requests";
+/// Stripe's key length; the IETF draft sets none.
+const STRIPE_KEY_LENGTH: &str = "Stripe: Idempotent requests (keys up to 255 characters)";
 /// OASIS Repeatable Requests: `Repeatability-First-Sent` and 412.
 const OASIS: &str = "OASIS Repeatable Requests 1.0 §3";
 /// The checker's own observations.
@@ -71,13 +73,17 @@ impl Answer {
             && self.body == other.body
     }
 
+    /// The status and the start of the body on one line (runs of whitespace, line breaks
+    /// included, shown as one space).
     fn short(&self) -> String {
         let text = String::from_utf8_lossy(&self.body);
+        let words: Vec<&str> = text.split_whitespace().collect();
+        let text = words.join(" ");
         let mut quoted: String = text.chars().take(QUOTE).collect();
         if text.chars().count() > QUOTE {
             quoted.push('…');
         }
-        format!("{} {}", self.status.as_u16(), quoted.trim())
+        format!("{} {quoted}", self.status.as_u16())
     }
 }
 
@@ -297,11 +303,17 @@ pub(super) async fn run(
     checks.push(key_reused_other_body(&ctx, &replay.first).await);
     checks.push(reserialized_body(&ctx, &replay.first).await);
     checks.push(key_missing(&ctx).await);
-    checks.push(key_refused(&ctx, "key-empty", "").await);
+    let syntax = (IETF_SYNTAX, Level::Required);
+    checks.push(key_refused(&ctx, "key-empty", "", syntax).await);
+    // The draft sets no length; Stripe's keys are at most 255 characters.
+    let length = match ctx.options.profile {
+        Profile::Stripe => (STRIPE_KEY_LENGTH, Level::Required),
+        _ => (STRIPE_KEY_LENGTH, Level::Advisory),
+    };
     let too_long = format!("{}-{}", fresh_key(), "x".repeat(256));
-    checks.push(key_refused(&ctx, "key-too-long", &too_long).await);
+    checks.push(key_refused(&ctx, "key-too-long", &too_long, length).await);
     let malformed = format!("\"unterminated-{}", uuid::Uuid::new_v4());
-    checks.push(key_refused(&ctx, "key-malformed", &malformed).await);
+    checks.push(key_refused(&ctx, "key-malformed", &malformed, syntax).await);
     checks.push(race_one_execution(&ctx).await);
     checks.push(in_flight(&ctx).await);
     checks.push(lost_response(&ctx).await);
@@ -768,24 +780,28 @@ async fn key_missing(ctx: &Ctx) -> CheckResult {
     }
 }
 
-/// `key-empty`, `key-too-long`, `key-malformed`: refused with 4xx, nothing executed.
-async fn key_refused(ctx: &Ctx, id: &'static str, key: &str) -> CheckResult {
-    let rule = IETF_SYNTAX;
+/// `key-empty`, `key-too-long`, `key-malformed`: refused with 4xx, nothing executed. Under
+/// an advisory rule, a key taken is a fact (info), not a failure.
+async fn key_refused(
+    ctx: &Ctx,
+    id: &'static str,
+    key: &str,
+    (rule, level): (&'static str, Level),
+) -> CheckResult {
+    let unmet = if level == Level::Required {
+        Verdict::Fail
+    } else {
+        Verdict::Info
+    };
     let body = body_for_key(&ctx.options.body);
     let before = match ctx.effects().await {
         Ok(n) => n,
-        Err(e) => return result(id, rule, Level::Required, Verdict::Fail, e),
+        Err(e) => return result(id, rule, level, unmet, e),
     };
     let answer = match ctx.send(Some(key), &body, false, &[]).await {
         Ok(a) => a,
         Err(e) => {
-            return result(
-                id,
-                rule,
-                Level::Required,
-                Verdict::Fail,
-                format!("the request failed: {e}"),
-            );
+            return result(id, rule, level, unmet, format!("the request failed: {e}"));
         }
     };
     let after = ctx.effects().await.ok().flatten();
@@ -800,8 +816,8 @@ async fn key_refused(ctx: &Ctx, id: &'static str, key: &str) -> CheckResult {
         return result(
             id,
             rule,
-            Level::Required,
-            Verdict::Fail,
+            level,
+            unmet,
             format!(
                 "{shown} was answered {}; --effects counted {n} executions",
                 answer.short()
@@ -812,7 +828,7 @@ async fn key_refused(ctx: &Ctx, id: &'static str, key: &str) -> CheckResult {
         result(
             id,
             rule,
-            Level::Required,
+            level,
             Verdict::Pass,
             format!(
                 "{shown}: {}{}",
@@ -824,16 +840,16 @@ async fn key_refused(ctx: &Ctx, id: &'static str, key: &str) -> CheckResult {
         result(
             id,
             rule,
-            Level::Required,
-            Verdict::Fail,
+            level,
+            unmet,
             format!("{shown} was answered {}", answer.short()),
         )
     }
 }
 
-/// The in-flight answers a retry may get: 409, or 425/429/503 (with `Retry-After`).
+/// The in-flight answers a retry may get: 409, or 423/425/429/503 (with `Retry-After`).
 fn in_flight_status(status: StatusCode) -> bool {
-    matches!(status.as_u16(), 409 | 425 | 429 | 503)
+    matches!(status.as_u16(), 409 | 423 | 425 | 429 | 503)
 }
 
 /// `race-one-execution`: `race` attempts with one key over separate connections, released
@@ -1250,7 +1266,7 @@ async fn lost_response(ctx: &Ctx) -> CheckResult {
             }
         }
     }
-    let after = ctx.effects().await.ok().flatten();
+    let after = ctx.effects().await;
     let Some(answer) = answer else {
         return result(
             ID,
@@ -1266,34 +1282,57 @@ async fn lost_response(ctx: &Ctx) -> CheckResult {
         String::new()
     };
     if in_flight_status(answer.status) {
+        let first = never_answered(executed(before, after.ok().flatten()));
         return result(
             ID,
             rule,
             Level::Required,
             Verdict::Fail,
             format!(
-                "{refusals} retries in {:?} (at most {LOST_RETRIES}, {LOST_BOUND:?}) were all refused as in flight, the last {}: the first attempt never finished",
+                "{refusals} retries in {:?} (at most {LOST_RETRIES}, {LOST_BOUND:?}) were all refused as in flight, the last {}: {first}",
                 started.elapsed(),
                 answer.short()
             ),
         );
     }
+    let (verdict, saw) = match after {
+        Ok(after) => judge_lost(&answer, executed(before, after), &waited),
+        // The count asked for cannot be read: the check cannot tell one execution from two.
+        Err(e) => (
+            Verdict::Fail,
+            format!("the retry got {}{waited}; after it, {e}", answer.short()),
+        ),
+    };
+    result(ID, rule, Level::Required, verdict, saw)
+}
+
+/// `lost-response`'s verdict on the retry's answer (one past any in-flight answers), with the
+/// executions `--effects` counted, if given; `waited` says how many in-flight answers came
+/// before it. Only a 2xx keeps the answer: a refusal or a server error leaves the client
+/// without it, however many times the write ran.
+fn judge_lost(answer: &Answer, count: Option<u64>, waited: &str) -> (Verdict, String) {
+    if !answer.status.is_success() {
+        let counted = count.map_or_else(String::new, |n| {
+            format!("; --effects counted {n} executions")
+        });
+        return (
+            Verdict::Fail,
+            format!(
+                "the retry got {}{waited}{counted}: the client never gets the write's answer",
+                answer.short()
+            ),
+        );
+    }
     let marker = answer.replay_marker();
-    match executed(before, after) {
-        Some(1) => result(
-            ID,
-            rule,
-            Level::Required,
+    match count {
+        Some(1) => (
             Verdict::Pass,
             format!(
                 "the retry got {}{waited}; --effects counted 1 execution",
                 answer.status.as_u16()
             ),
         ),
-        Some(n) => result(
-            ID,
-            rule,
-            Level::Required,
+        Some(n) => (
             Verdict::Fail,
             format!(
                 "the retry got {}{waited}; --effects counted {n} executions",
@@ -1301,20 +1340,14 @@ async fn lost_response(ctx: &Ctx) -> CheckResult {
             ),
         ),
         None => match marker {
-            Some(marker) => result(
-                ID,
-                rule,
-                Level::Required,
+            Some(marker) => (
                 Verdict::Pass,
                 format!(
                     "the retry was a replay{waited}: {} ({marker})",
                     answer.status.as_u16()
                 ),
             ),
-            None => result(
-                ID,
-                rule,
-                Level::Required,
+            None => (
                 Verdict::Skipped,
                 format!(
                     "the retry got {}{waited} without a replay marker: the first attempt was dropped with its connection, or it ran too; one execution cannot be told from two without --effects",
@@ -1322,6 +1355,19 @@ async fn lost_response(ctx: &Ctx) -> CheckResult {
                 ),
             ),
         },
+    }
+}
+
+/// Why every retry after a lost answer was refused as in flight, as far as `--effects` tells:
+/// the first attempt never finished, or it ran and its answer is not replayed (a replay
+/// answered `409`, as some libraries do).
+fn never_answered(count: Option<u64>) -> String {
+    match count {
+        None => "the first attempt never finished, or its answer is not replayed".to_owned(),
+        Some(0) => "the first attempt never finished".to_owned(),
+        Some(n) => {
+            format!("--effects counted {n} executions, but no retry got an answer of its own")
+        }
     }
 }
 
@@ -1479,6 +1525,42 @@ mod tests {
         assert_eq!(&answer.body[..], b"{}");
         let short = parse_answer(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nab");
         assert!(short.is_err_and(|e| e.contains("2 of 5")));
+    }
+
+    #[test]
+    fn retries_all_refused_say_whether_the_first_attempt_ran() {
+        assert_eq!(never_answered(Some(0)), "the first attempt never finished");
+        assert!(never_answered(Some(1)).contains("counted 1 executions"));
+        assert!(never_answered(None).contains("or its answer is not replayed"));
+    }
+
+    #[test]
+    fn a_lost_answer_is_kept_only_by_a_2xx_retry() {
+        let answer = |raw: &[u8]| parse_answer(raw).expect("parses");
+        let created = answer(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\n{}");
+        assert_eq!(judge_lost(&created, Some(1), "").0, Verdict::Pass);
+        assert_eq!(judge_lost(&created, Some(2), "").0, Verdict::Fail);
+        assert_eq!(judge_lost(&created, None, "").0, Verdict::Skipped);
+        // The write ran once, but the retry's answer is a refusal: the client never learns
+        // the outcome.
+        let refused = answer(b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: 2\r\n\r\n{}");
+        let (verdict, saw) = judge_lost(&refused, Some(1), " after 1 in-flight answers");
+        assert_eq!(verdict, Verdict::Fail, "{saw}");
+        assert!(saw.contains("422"), "{saw}");
+        let broken = answer(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n");
+        assert_eq!(judge_lost(&broken, None, "").0, Verdict::Fail);
+    }
+
+    #[test]
+    fn a_quoted_body_is_one_line() {
+        let answer = parse_answer(
+            b"HTTP/1.1 417 Expectation Failed\r\ncontent-length: 41\r\n\r\n<html>\n<body>\n  <pre>Misuse</pre>\n</body>",
+        )
+        .expect("parses");
+        assert_eq!(
+            answer.short(),
+            "417 <html> <body> <pre>Misuse</pre> </body>"
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Keyed `POST /orders` servers, in memory and in the test process, that `idemkey check` is
-//! tested against: a correct reference ([`Flaw::Correct`]) and variants of it with one flaw
-//! each, which the check named for the flaw must fail.
+//! tested against: a correct reference ([`Flaw::Correct`]), variants of it with one flaw
+//! each, which the check named for the flaw must fail, and variants that answer otherwise than
+//! the reference in ways the rules allow, which must not fail.
 //!
 //! Every execution takes [`WORK`] (the server's simulated work), counts one effect (read at
 //! `GET /effects` as a JSON number) and answers `201` with a body holding a fresh order id, so
@@ -21,7 +22,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use http::{HeaderMap, HeaderValue, StatusCode, header};
-use idemkey_core::{HEADER_NAME, IdempotencyKey, Mismatch, problem};
+use idemkey_core::{HEADER_NAME, IdempotencyKey, KeyError, Mismatch, problem};
 use idemkey_tower::{IdempotencyRejection, problem_response};
 use serde_json::{Value, json};
 
@@ -32,7 +33,8 @@ const CHECK_GAP: Duration = Duration::from_millis(100);
 /// The `Retry-After` of the in-flight answer.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// Which server: the reference, or the reference with one flaw.
+/// Which server: the reference, the reference with one flaw, or with one difference the rules
+/// allow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Flaw {
     /// No flaw: the reference.
@@ -54,6 +56,15 @@ pub(crate) enum Flaw {
     SharedKeys,
     /// A request without a key executes anyway, unprotected.
     KeyOptional,
+    /// A replay answers the first body with `409` instead of its `201` (as
+    /// django-idempotency-key does by default).
+    ReplayAsConflict,
+    /// Not a flaw: a retry while the first attempt runs is answered `423 Locked` (as
+    /// django-idempotency-key's lock answers it) instead of `409`.
+    LockedWhileInFlight,
+    /// Not a flaw under the IETF draft, which sets no length: a key longer than 255 characters
+    /// is taken as it is sent (Stripe's rules refuse it).
+    LongKeysAccepted,
 }
 
 /// What is kept per (caller, key).
@@ -121,9 +132,12 @@ impl Orders {
             .iter()
             .map(HeaderValue::as_bytes);
         let key = match IdempotencyKey::from_fields(fields) {
-            Ok(Some(key)) => Some(key),
+            Ok(Some(key)) => Some(key.as_str().to_owned()),
             Ok(None) if self.flaw == Flaw::KeyOptional => None,
             Ok(None) => return IdempotencyRejection::KeyMissing.into_response(),
+            Err(KeyError::TooLong { .. }) if self.flaw == Flaw::LongKeysAccepted => headers
+                .get(HEADER_NAME)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
             Err(e) => return IdempotencyRejection::KeyInvalid(e).into_response(),
         };
         let Ok(request) = serde_json::from_slice::<Value>(&body) else {
@@ -143,7 +157,7 @@ impl Orders {
             (Flaw::SharedKeys, _) | (_, None) => String::new(),
             (_, Some(value)) => String::from_utf8_lossy(value.as_bytes()).into_owned(),
         };
-        let id = (caller, key.as_str().to_owned());
+        let id = (caller, key);
         if let Some(answer) = self.look_up(&id, &request) {
             return answer;
         }
@@ -179,9 +193,24 @@ impl Orders {
                 };
                 Some(IdempotencyRejection::KeyReused(mismatch).into_response())
             }
+            Some(Record::Done { body, .. }) if self.flaw == Flaw::ReplayAsConflict => Some(
+                (
+                    StatusCode::CONFLICT,
+                    [(header::CONTENT_TYPE, "application/json")],
+                    body.clone(),
+                )
+                    .into_response(),
+            ),
             Some(Record::Done { body, .. }) if self.flaw != Flaw::NoReplay => {
                 Some(created(self.replayed(body), true))
             }
+            Some(Record::Running { .. }) if self.flaw == Flaw::LockedWhileInFlight => Some(
+                (
+                    StatusCode::LOCKED,
+                    Json(json!({ "error": "the first request with this key is running" })),
+                )
+                    .into_response(),
+            ),
             Some(Record::Running { .. }) if self.flaw != Flaw::RunsWhileInFlight => Some(
                 IdempotencyRejection::InFlight {
                     retry_after: RETRY_AFTER,
