@@ -13,8 +13,9 @@
 //! The kit talks SQL to the servers through the `mariadb` command-line client, installed
 //! with the server ([`MariaDb::client`], [`MariaDb::query`]). Every wait is bounded and a
 //! server that does not come up is a failure naming its log, never a skipped test. Each
-//! server runs under the same watchdog as the NATS servers: if the test process dies, the
-//! servers stop; dropping the handle kills them and deletes their directory.
+//! server runs under the same watchdog as the NATS servers: if the test process ends without
+//! dropping the handle (it is killed, or keeps the handle in a `static`), the servers stop and
+//! their directory is deleted; dropping the handle kills them and deletes it at once.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -23,7 +24,8 @@ use std::time::Duration;
 
 use crate::postgres::{RunAs, describe_output, run_as_when_root};
 use crate::process::{
-    LOG, PORT_ATTEMPTS, Process, Stop, free_port, installed_binary, poll, port_taken, temporary_dir,
+    Janitor, LOG, PORT_ATTEMPTS, Process, Stop, free_port, installed_binary, poll, port_taken,
+    temporary_dir,
 };
 
 /// The user a test connects as (it holds every privilege, so a test can create databases).
@@ -635,6 +637,8 @@ struct Kit {
     run_as: Option<RunAs>,
     password: String,
     dir: tempfile::TempDir,
+    /// Deletes `dir` when the test process ends without dropping the handle.
+    _janitor: Janitor,
 }
 
 impl Kit {
@@ -657,6 +661,7 @@ impl Kit {
         // /tmp is reachable by every user, unlike a custom TMPDIR.
         let dir = temporary_dir(prefix, run_as.as_ref().map(|_| Path::new("/tmp")));
         hand_over(dir.path(), run_as.as_ref())?;
+        let janitor = Janitor::watch(dir.path())?;
         Ok(Self {
             server,
             install_db,
@@ -664,6 +669,7 @@ impl Kit {
             run_as,
             password: format!("{:016x}", rand::random::<u64>()),
             dir,
+            _janitor: janitor,
         })
     }
 

@@ -134,6 +134,58 @@ impl Process {
     }
 }
 
+/// Deletes a directory of servers once the test process is gone, however it ends: a handle
+/// kept in a `static` is never dropped, and a killed process runs nothing. A `sh` whose
+/// standard input is a pipe held by the test process waits for end-of-file, then for every
+/// server below the directory to have exited (their watchdogs saw the same end-of-file; at
+/// most 15 s), then removes the directory.
+#[derive(Debug)]
+pub(crate) struct Janitor {
+    _sh: Child,
+    _lifeline: ChildStdin,
+}
+
+impl Janitor {
+    pub(crate) fn watch(dir: &Path) -> Result<Self, String> {
+        let mut sh = Command::new("/bin/sh");
+        sh.args(["-c", JANITOR_SCRIPT, "idemkey-janitor"])
+            .arg(dir)
+            .current_dir("/")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        std::os::unix::process::CommandExt::process_group(&mut sh, 0);
+        let mut child = sh
+            .spawn()
+            .map_err(|e| format!("cannot start the janitor of {}: {e}", dir.display()))?;
+        let lifeline = child.stdin.take().expect("stdin is piped");
+        Ok(Self {
+            _sh: child,
+            _lifeline: lifeline,
+        })
+    }
+}
+
+/// `$1`: the directory, whose subdirectories each hold a server's `server.log` and, once it
+/// has exited, `server.exited`.
+const JANITOR_SCRIPT: &str = r#"
+trap '' HUP INT
+dir=$1
+while read -r _; do :; done
+n=0
+while [ "$n" -lt 150 ]; do
+    running=0
+    for log in "$dir"/*/server.log; do
+        [ -e "$log" ] || continue
+        [ -e "${log%/server.log}/server.exited" ] || running=1
+    done
+    [ "$running" = 0 ] && break
+    sleep 0.1
+    n=$((n + 1))
+done
+rm -rf "$dir"
+"#;
+
 /// `--- log <path> (last lines) ---`, the last lines of the log, and its end.
 fn log_tail(log: &Path) -> String {
     let text = std::fs::read_to_string(log)
