@@ -139,9 +139,7 @@ async fn serve_passes_under_the_oasis_profile_with_first_sent_required() {
 }
 
 /// The gateway in front of an upstream that executes every request it gets (a fresh
-/// transfer id each time): the contract is the gateway's alone. A client that drops its
-/// connection mid-request leaves its key reserved until the lease lapses, so the lease is
-/// short here: `lost-response` retries for at most 5 s, and the default lease is 10 s.
+/// transfer id each time): the contract is the gateway's alone, with its default lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_passes_every_required_check() {
     let upstream = common::gateway::Upstream::start();
@@ -156,8 +154,6 @@ async fn gateway_passes_every_required_check() {
             "t2=tok2",
             "--route",
             "POST /v1/*",
-            "--lease",
-            "300ms",
             "--reconcile-url",
             &upstream.reconcile_url(),
             "--reconcile-interval",
