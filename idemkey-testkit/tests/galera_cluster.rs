@@ -4,6 +4,7 @@
 
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::process::{Child, ChildStdin, ChildStdout, Stdio};
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use idemkey_testkit::GaleraCluster;
@@ -14,6 +15,13 @@ fn start() -> GaleraCluster {
     let cluster = GaleraCluster::start(3);
     println!("Galera cluster of 3 started in {:?}", started.elapsed());
     cluster
+}
+
+/// The cluster the tests that kill no node share, each with tables of its own: one start
+/// fewer on a CI machine's two cores. It stops, and its directory goes, when the process ends.
+fn shared() -> &'static GaleraCluster {
+    static CLUSTER: OnceLock<GaleraCluster> = OnceLock::new();
+    CLUSTER.get_or_init(start)
 }
 
 /// `sql` on node `i` after the node has applied every write the cluster ordered before it
@@ -32,10 +40,10 @@ fn cluster_size(cluster: &GaleraCluster, i: usize) -> String {
 
 #[test]
 fn a_row_written_on_node_1_is_read_on_nodes_2_and_3() {
-    let cluster = start();
+    let cluster = shared();
     assert_eq!(cluster.size(), 3);
     for i in 0..3 {
-        assert_eq!(cluster_size(&cluster, i), "3", "node {i}");
+        assert_eq!(cluster_size(cluster, i), "3", "node {i}");
         assert!(
             cluster
                 .node_url(i)
@@ -47,12 +55,12 @@ fn a_row_written_on_node_1_is_read_on_nodes_2_and_3() {
     cluster
         .query(
             0,
-            "CREATE TABLE t (id INT PRIMARY KEY, v VARCHAR(20)); INSERT INTO t VALUES (1, 'from n1')",
+            "CREATE TABLE replicated (id INT PRIMARY KEY, v VARCHAR(20)); INSERT INTO replicated VALUES (1, 'from n1')",
         )
         .unwrap();
     for i in 1..3 {
         assert_eq!(
-            read_synced(&cluster, i, "SELECT v FROM t WHERE id = 1"),
+            read_synced(cluster, i, "SELECT v FROM replicated WHERE id = 1"),
             "from n1",
             "node {i}"
         );
@@ -95,18 +103,27 @@ impl Session {
 
 #[test]
 fn the_same_key_committed_on_two_nodes_at_once_fails_one_commit_with_1213() {
-    let cluster = start();
+    let cluster = shared();
     cluster
-        .query(0, "CREATE TABLE t (id INT PRIMARY KEY, v VARCHAR(20))")
+        .query(
+            0,
+            "CREATE TABLE conflict (id INT PRIMARY KEY, v VARCHAR(20))",
+        )
         .unwrap();
-    assert_eq!(read_synced(&cluster, 1, "SELECT COUNT(*) FROM t"), "0");
+    assert_eq!(
+        read_synced(cluster, 1, "SELECT COUNT(*) FROM conflict"),
+        "0"
+    );
 
     // Both transactions hold their row before either commits: the nodes do not see each
     // other's until the commit replicates it.
-    let mut sessions = [Session::open(&cluster, 0), Session::open(&cluster, 1)];
+    let mut sessions = [Session::open(cluster, 0), Session::open(cluster, 1)];
     for (i, session) in sessions.iter_mut().enumerate() {
         session.run(
-            &format!("BEGIN;\nINSERT INTO t VALUES (1, 'from n{}');", i + 1),
+            &format!(
+                "BEGIN;\nINSERT INTO conflict VALUES (1, 'from n{}');",
+                i + 1
+            ),
             "inserted",
         );
     }
@@ -149,7 +166,7 @@ fn the_same_key_committed_on_two_nodes_at_once_fails_one_commit_with_1213() {
     assert_eq!(outcomes[loser].1, "", "nothing after the failed COMMIT ran");
     for i in 0..3 {
         assert_eq!(
-            read_synced(&cluster, i, "SELECT v FROM t"),
+            read_synced(cluster, i, "SELECT v FROM conflict"),
             format!("from n{}", winner + 1),
             "node {i} holds the winner's row only"
         );
