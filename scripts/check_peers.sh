@@ -2,8 +2,9 @@
 # Runs `idemkey check` against other idempotency-key libraries, each wrapped as a small server
 # (the peers kit: POST /payments with {"amount", "currency"}, GET /effects -> {"count": N}),
 # and against `idemkey serve` (SQLite, two tenants, so `scope` runs), then prints one Markdown
-# table: peer, library version, storage, exit code, and each check's verdict. The peers have no
-# notion of callers, so `scope` is skipped for them.
+# table: peer, library version, storage, exit code, and each check's verdict. Only
+# axum-idempotent has a notion of callers (its session cookie); for the others `scope` is
+# skipped.
 #
 #   scripts/check_peers.sh PEERS_DIR IDEMKEY_BIN [OUT_DIR]
 #
@@ -31,7 +32,8 @@ BODY='{"amount": 100, "currency": "usd"}'
 # Python writes no __pycache__ into the kit.
 export PYTHONDONTWRITEBYTECODE=1
 
-# name | version source (npm/pip/cargo package) | storage | command | environment
+# name | version source (npm/pip/cargo package) | storage | command | environment | another
+# caller's header, for `scope` (axum-idempotent keeps answers per session cookie)
 CONFIGS=(
   "nestjs-node-idempotency-memory|npm @node-idempotency/nestjs|memory|node node/node-idempotency-nestjs-server.js|STORAGE=memory"
   "nestjs-node-idempotency-redis|npm @node-idempotency/nestjs|redis|node node/node-idempotency-nestjs-server.js|STORAGE=redis"
@@ -47,8 +49,8 @@ CONFIGS=(
   "fastapi-idempotency-memory|pip fastapi-idempotency|memory|uvicorn fastapi_idempotency_app:app|STORAGE=memory"
   "django-idempotency-key-memory|pip django-idempotency-key|memory|gunicorn django_peer.wsgi:application|STORAGE=memory"
   "django-idempotency-key-redis|pip django-idempotency-key|redis|gunicorn django_peer.wsgi:application|STORAGE=redis"
-  "axum-idempotent-moka|cargo axum-idempotent|memory (moka, 1 shared session)|axum|STORAGE=memory INJECT_SESSION=1"
-  "axum-idempotent-redis|cargo axum-idempotent|redis (fred, 1 shared session)|axum|STORAGE=redis INJECT_SESSION=1"
+  "axum-idempotent-moka|cargo axum-idempotent|memory (moka, 1 shared session)|axum|STORAGE=memory INJECT_SESSION=1|Cookie: session=b3RoZXItY2FsbGVyLXNlcw"
+  "axum-idempotent-redis|cargo axum-idempotent|redis (fred, 1 shared session)|axum|STORAGE=redis INJECT_SESSION=1|Cookie: session=b3RoZXItY2FsbGVyLXNlcw"
   "axum-idempotent-moka-nocookie|cargo axum-idempotent|memory (moka, no session cookie)|axum|STORAGE=memory INJECT_SESSION=0"
   "idemkey-serve|idemkey|sqlite|serve|"
 )
@@ -118,7 +120,7 @@ fi
 : >"$OUT/rows"
 idx=0
 for config in "${CONFIGS[@]}"; do
-  IFS='|' read -r name source storage cmd envs <<<"$config"
+  IFS='|' read -r name source storage cmd envs caller <<<"$config"
   idx=$((idx + 1))
   if [ -n "${ONLY:-}" ] && ! echo ",$ONLY," | grep -q ",$name,"; then continue; fi
   port=$((PORT_BASE + idx))
@@ -130,6 +132,7 @@ for config in "${CONFIGS[@]}"; do
   fi
   redis-cli -p "$REDIS_PORT" flushall >/dev/null 2>&1
   check=(--body "$BODY" --effects "$base/effects" --json "$OUT/$name.json" --timeout 10s)
+  [ -n "$caller" ] && check+=(--other-caller "$caller")
   url=$base/payments
   ready=effects
   dir=$PEERS
