@@ -13,7 +13,7 @@ use crate::gateway::{GatewayOptions, RouteRule, Upstream};
 use crate::keys::KeysAction;
 use crate::outbox::{OutboxAction, OutboxOptions, OutboxSink};
 use crate::secret::{KeySecretSource, SecretString, SecretUrl};
-use crate::{ApiKeys, ServeOptions};
+use crate::{ApiKeys, DatabaseOptions, ServeOptions};
 
 /// idemkey: safe retries for HTTP writes.
 #[derive(Debug, Parser)]
@@ -771,6 +771,11 @@ pub struct GatewayArgs {
 }
 
 impl GatewayArgs {
+    /// The gateway's database.
+    pub fn database(&self) -> DatabaseOptions {
+        DatabaseOptions::new(self.database_url.clone(), self.max_connections)
+    }
+
     /// Every configured API key, from the flags and the environment.
     pub fn all_api_keys(&self) -> Result<ApiKeys, String> {
         all_api_keys(&self.api_keys, self.api_keys_env.as_ref())
@@ -974,6 +979,12 @@ pub enum KeysCommand {
     },
 }
 
+impl From<&DbArgs> for DatabaseOptions {
+    fn from(args: &DbArgs) -> Self {
+        Self::new(args.database_url.clone(), args.max_connections)
+    }
+}
+
 impl From<&KeySecretArgs> for KeySecretSource {
     fn from(args: &KeySecretArgs) -> Self {
         Self {
@@ -1133,7 +1144,7 @@ impl From<MessageStateArg> for MessageState {
 
 impl KeysCommand {
     /// The database, the key secret and what to do with the records.
-    pub fn into_parts(self) -> (DbArgs, KeySecretSource, KeysAction) {
+    pub fn into_parts(self) -> (DatabaseOptions, KeySecretSource, KeysAction) {
         match self {
             Self::List {
                 db,
@@ -1144,7 +1155,7 @@ impl KeysCommand {
                 limit,
                 json,
             } => (
-                db,
+                (&db).into(),
                 (&secret).into(),
                 KeysAction::List {
                     tenant,
@@ -1161,7 +1172,7 @@ impl KeysCommand {
                 route,
                 key,
             } => (
-                db,
+                (&db).into(),
                 (&secret).into(),
                 KeysAction::Show { tenant, route, key },
             ),
@@ -1172,7 +1183,7 @@ impl KeysCommand {
                 route,
                 key,
             } => (
-                db,
+                (&db).into(),
                 (&secret).into(),
                 KeysAction::Evict { tenant, route, key },
             ),
@@ -1189,7 +1200,7 @@ impl KeysCommand {
                 note,
                 key,
             } => (
-                db,
+                (&db).into(),
                 (&secret).into(),
                 KeysAction::Resolve {
                     tenant,
@@ -1203,7 +1214,7 @@ impl KeysCommand {
                 },
             ),
             Self::Purge { db, secret, batch } => {
-                (db, (&secret).into(), KeysAction::Purge { batch })
+                ((&db).into(), (&secret).into(), KeysAction::Purge { batch })
             }
         }
     }
@@ -1211,7 +1222,7 @@ impl KeysCommand {
 
 impl OutboxCommand {
     /// The database, and what to do with its outbox.
-    pub fn into_parts(self) -> (DbArgs, OutboxAction) {
+    pub fn into_parts(self) -> (DatabaseOptions, OutboxAction) {
         match self {
             Self::List {
                 db,
@@ -1219,16 +1230,16 @@ impl OutboxCommand {
                 limit,
                 json,
             } => (
-                db,
+                (&db).into(),
                 OutboxAction::List {
                     state: state.map(Into::into),
                     limit,
                     json,
                 },
             ),
-            Self::Show { db, id } => (db, OutboxAction::Show { id }),
-            Self::Retry { db, note, id } => (db, OutboxAction::Retry { id, note }),
-            Self::Drop { db, note, id } => (db, OutboxAction::Drop { id, note }),
+            Self::Show { db, id } => ((&db).into(), OutboxAction::Show { id }),
+            Self::Retry { db, note, id } => ((&db).into(), OutboxAction::Retry { id, note }),
+            Self::Drop { db, note, id } => ((&db).into(), OutboxAction::Drop { id, note }),
         }
     }
 }

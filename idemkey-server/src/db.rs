@@ -1,10 +1,15 @@
-//! The payments API's own SQL, per backend. The idempotency records are the store's; these
-//! are the effects the layer protects. What the gateway and the operator commands need as
-//! well (settings, health, idemkey's migrations) is [`GatewayDb`], which [`AppDb`] extends.
+//! The databases idemkey runs on: which store a URL names ([`with_database`], the one place
+//! that tells the kinds apart), how each kind's store is opened ([`Backend`]), and the
+//! payments API's own SQL, per backend. The idempotency records are the store's; these are
+//! the effects the layer protects. What the gateway and the operator commands need as well
+//! (settings, health, idemkey's migrations) is [`GatewayDb`], which [`AppDb`] extends.
 
 use std::future::Future;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
 
+use anyhow::Context;
 use idemkey_core::Store;
 use idemkey_core::outbox::OutboxStore;
 use idemkey_postgres::PgStore;
@@ -13,9 +18,155 @@ use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use serde::Serialize;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::PgConnection;
-use sqlx::sqlite::SqliteConnection;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 
 use crate::gateway::{GatewayDb, sqlite_url};
+use crate::secret::{SecretUrl, redacted};
+
+/// Work to do on the database a URL names, whichever its kind: [`with_database`] runs it
+/// with that kind's store as `S`, which the work opens itself ([`Backend::connect`],
+/// [`open_existing`]), or keeps trying to, as `serve` does while a database server starts.
+pub trait OnDatabase {
+    /// What the work answers.
+    type Output;
+
+    /// Does the work on a database whose store is `S`.
+    fn run<S: Backend>(self) -> impl Future<Output = anyhow::Result<Self::Output>>;
+}
+
+/// Runs `work` with the store of the database kind `url` names by its scheme: `sqlite:` a
+/// [`RusqliteStore`] (which runs its statements on the calling thread: docs/decisions.md,
+/// "SQLite's writer without sqlx's worker thread"), `postgres://` (or `postgresql://`) a
+/// [`PgStore`]. Any other URL is
+/// refused, naming the kinds there are. Every command and `serve`, `gateway` and the demo
+/// pick their store here, and nowhere else.
+///
+/// To add a database: give its store the traits `serve` and the commands use ([`AppDb`],
+/// with [`GatewayDb`] and the outbox's store) and [`Backend`], then add its scheme here, one
+/// arm, and name it in the refusal.
+pub async fn with_database<W: OnDatabase>(url: &str, work: W) -> anyhow::Result<W::Output> {
+    if url.starts_with("sqlite:") {
+        work.run::<RusqliteStore>().await
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        work.run::<PgStore>().await
+    } else {
+        anyhow::bail!(
+            "unsupported database URL {:?}: expected sqlite:<path> or postgres://…",
+            redacted(url)
+        )
+    }
+}
+
+/// Where the database is, and how long a claim waits for SQLite's write lock.
+#[derive(Debug, Clone)]
+pub struct DatabaseOptions {
+    /// The database URL: `sqlite:<path>` or `postgres://…`.
+    pub url: SecretUrl,
+    /// Connections in the pool (PostgreSQL).
+    pub max_connections: u32,
+    /// How long a SQLite claim waits for the database's single write lock (its busy
+    /// time-out); PostgreSQL claims are bounded per route by the layer.
+    pub lock_wait: Duration,
+}
+
+impl DatabaseOptions {
+    /// The lock wait unless told otherwise: SQLite's default busy time-out, 5 s.
+    pub const DEFAULT_LOCK_WAIT: Duration = idemkey_sqlite::SqliteStore::DEFAULT_BUSY_TIMEOUT;
+
+    /// The database at `url`, with a pool of `max_connections` and the default lock wait.
+    pub fn new(url: impl Into<SecretUrl>, max_connections: u32) -> Self {
+        Self {
+            url: url.into(),
+            max_connections,
+            lock_wait: Self::DEFAULT_LOCK_WAIT,
+        }
+    }
+}
+
+/// A store that opens itself from [`DatabaseOptions`]: one for each kind of database
+/// [`with_database`] tells apart.
+pub trait Backend: AppDb {
+    /// Connects to `db`, creating what is missing (a SQLite file): for `serve`, `gateway`,
+    /// `migrate` and the demo.
+    fn connect(db: &DatabaseOptions) -> impl Future<Output = anyhow::Result<Self>> + Send;
+
+    /// Opens `db` as it is and creates nothing (a missing SQLite file is an error naming
+    /// it); [`open_existing`] also checks it has idemkey's tables.
+    fn open(db: &DatabaseOptions) -> impl Future<Output = anyhow::Result<Self>> + Send;
+}
+
+/// How an operator command is told to name the database `idemkey serve` uses.
+const NAME_THE_DATABASE: &str =
+    "pass --database-url (or IDEMKEY_DATABASE_URL) naming the database `idemkey serve` uses";
+
+impl Backend for RusqliteStore {
+    async fn connect(db: &DatabaseOptions) -> anyhow::Result<Self> {
+        let file = sqlite_file(&db.url)?;
+        private_sqlite_file(&file)?;
+        RusqliteStore::open_with_busy_timeout(&file, db.lock_wait)
+            .with_context(|| format!("cannot open the SQLite database {}", &*db.url))
+    }
+
+    async fn open(db: &DatabaseOptions) -> anyhow::Result<Self> {
+        let url = &*db.url;
+        let file = sqlite_file(url)?;
+        if !file.exists() {
+            anyhow::bail!("`{url}` does not exist; {NAME_THE_DATABASE}");
+        }
+        // Opened as it is: nothing is created, and the journal mode is left as the file says
+        // (WAL once `serve` made it), as setting it would write to a file that may not be ours.
+        RusqliteStore::open_existing(&file, db.lock_wait)
+            .with_context(|| format!("cannot open the SQLite database `{url}`"))
+    }
+}
+
+impl Backend for PgStore {
+    async fn connect(db: &DatabaseOptions) -> anyhow::Result<Self> {
+        PgStore::connect(&db.url, db.max_connections)
+            .await
+            .with_context(|| format!("cannot connect to PostgreSQL at `{}`", redacted(&db.url)))
+    }
+
+    async fn open(db: &DatabaseOptions) -> anyhow::Result<Self> {
+        <Self as Backend>::connect(db).await
+    }
+}
+
+/// Opens the database `db` names for an operator command: it must exist and carry idemkey's
+/// tables (`idemkey serve`, `gateway` or `migrate` made them, or an application's own run of
+/// idemkey's migrations). Creates nothing: a missing SQLite file or missing tables is an
+/// error naming the URL and how to fix it.
+pub async fn open_existing<S: Backend>(db: &DatabaseOptions) -> anyhow::Result<S> {
+    let store = S::open(db).await?;
+    let shown = redacted(&db.url);
+    let missing = store
+        .missing_tables()
+        .await
+        .with_context(|| format!("cannot read the tables of `{shown}`"))?;
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "`{shown}` has no idemkey tables ({} missing): idemkey's migrations did not run on \
+             it; {NAME_THE_DATABASE}, or run `idemkey migrate --database-url …` first",
+            missing.join(", ")
+        );
+    }
+    Ok(store)
+}
+
+/// The file a `sqlite:` URL names, as sqlx reads the URL. An in-memory database is refused:
+/// each of the store's connections would open a database of its own.
+fn sqlite_file(url: &str) -> anyhow::Result<PathBuf> {
+    let options = SqliteConnectOptions::from_str(url)
+        .with_context(|| format!("invalid SQLite URL `{url}`"))?;
+    let file = options.get_filename();
+    if file == Path::new(":memory:") {
+        anyhow::bail!(
+            "`{url}` is an in-memory database, which the server's connections cannot share; \
+             name a file (sqlite:idemkey.db)"
+        );
+    }
+    Ok(file.to_owned())
+}
 
 /// Makes sure the SQLite file at `path` is readable by its owner only before SQLite opens
 /// it: it keeps the idempotency records and, by default, the key secret. A missing file is

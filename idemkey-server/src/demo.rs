@@ -33,7 +33,9 @@ use rand::RngCore;
 use serde::Serialize;
 
 use crate::problem::PAYMENT_REFERENCE_USED;
-use crate::{ApiKeys, AppConfig, AppDb, KeySecrets, app, connect, with_store};
+use crate::{
+    ApiKeys, AppConfig, AppDb, Backend, DatabaseOptions, KeySecrets, OnDatabase, app, with_database,
+};
 
 const TOKEN: &str = "sk_demo_lossy_network";
 
@@ -238,9 +240,30 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
         Some(url) => url.to_string(),
         None => format!("sqlite:{}", dir.path().join("demo.db").display()),
     };
-    let db = connect(&url, 32, InFlightPolicy::DEFAULT_WAIT).await?;
+    let mut database = DatabaseOptions::new(url.clone(), 32);
+    database.lock_wait = InFlightPolicy::DEFAULT_WAIT;
+    with_database(&url, Demo { database, options }).await
+}
+
+/// The demo on the database `database` names.
+struct Demo {
+    database: DatabaseOptions,
+    options: DemoOptions,
+}
+
+impl OnDatabase for Demo {
+    type Output = DemoReport;
+
+    async fn run<S: Backend>(self) -> anyhow::Result<DemoReport> {
+        let db = S::connect(&self.database).await?;
+        run_on(db, self.options).await
+    }
+}
+
+/// Runs the demo on `db`.
+async fn run_on<S: AppDb>(db: S, options: DemoOptions) -> anyhow::Result<DemoReport> {
     let clock = Arc::new(SkippedClock::default());
-    let server = with_store!(db.clone(), store => start_server(store, clock.clone()).await)?;
+    let server = start_server(db.clone(), clock.clone()).await?;
     let proxy = FaultProxy::start(
         server,
         FaultConfig {
@@ -339,7 +362,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<DemoReport> {
         // A day passes on the server's clock, and the purge deletes every record.
         clock.skip(RETENTION + Duration::from_secs(3600));
         let now = clock.now();
-        with_store!(db.clone(), store => protocol::purge_expired(&store, now, 1000).await)?;
+        protocol::purge_expired(&db, now, 1000).await?;
         let mut report = LateReport::default();
         let direct = format!("http://{server}/v1/payments");
         let client = IdempotentClient::with_policy(http.clone(), policy);

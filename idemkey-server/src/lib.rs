@@ -57,10 +57,12 @@ pub use self::http_server::HttpLimits;
 #[doc = include_str!("../../docs/decisions.md")]
 #[doc = include_str!("../../docs/reliability.md")]
 pub struct ReadmeDoctests;
-pub use self::db::{AppDb, Payment};
+pub use self::db::{
+    AppDb, Backend, DatabaseOptions, OnDatabase, Payment, open_existing, with_database,
+};
 pub use self::gateway::GatewayDb;
 pub use self::secret::KeySecrets;
-pub use self::serve::{Database, ServeOptions, connect, open_existing, serve, serve_with};
+pub use self::serve::{ServeOptions, serve, serve_on, serve_with};
 
 /// What the handlers share.
 #[derive(Debug, Clone)]

@@ -1,17 +1,16 @@
 //! `idemkey`: parses the command line, wires the parts, reports errors.
 
 use clap::Parser;
-use idemkey_server::cli::{Cli, Command};
+use idemkey_server::cli::{Cli, Command, GatewayArgs, RelayArgs, ServeArgs};
 use idemkey_server::gateway::GatewayOptions;
-use idemkey_server::outbox::OutboxOptions;
+use idemkey_server::keys::{self, KeysAction};
+use idemkey_server::outbox::{OutboxAction, OutboxOptions};
 use idemkey_server::secret::{KeySecretSource, check_before_start, check_given};
 use idemkey_server::{
-    Database, ServeOptions, connect, keys, open_existing, serve, serve_with, with_store,
+    Backend, DatabaseOptions, OnDatabase, ServeOptions, open_existing, serve_on, with_database,
 };
 use idemkey_tower::InFlightPolicy;
 use tracing_subscriber::EnvFilter;
-
-const DEFAULT_WAIT: std::time::Duration = InFlightPolicy::DEFAULT_WAIT;
 
 // mimalloc rather than the system allocator: under load glibc's malloc spent a large share
 // of the server's CPU consolidating and unlinking chunks; see docs/decisions.md, "mimalloc,
@@ -42,61 +41,10 @@ async fn main() {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve(args) => {
-            check_before_start(
-                &args.db.database_url,
-                &KeySecretSource::from(&args.secret),
-                args.key_secret_in_database,
-            )?;
-            let options = ServeOptions::try_from(&args)?;
-            // Under `reject`, SQLite still waits for its single write lock (the default busy
-            // time-out): refusing at once would refuse every concurrent write, any key.
-            let lock_wait = match options.in_flight {
-                InFlightPolicy::Wait(bound) => bound,
-                InFlightPolicy::Reject => idemkey_sqlite::SqliteStore::DEFAULT_BUSY_TIMEOUT,
-            };
-            let url = args.db.database_url.clone();
-            if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-                // A database server may come up after us: serve 503 until it answers.
-                let max_connections = args.db.max_connections;
-                serve_with(
-                    move || {
-                        let url = url.clone();
-                        async move {
-                            match connect(&url, max_connections, lock_wait).await? {
-                                Database::Postgres(store) => Ok(store),
-                                Database::Sqlite(_) => {
-                                    anyhow::bail!("not a PostgreSQL URL")
-                                }
-                            }
-                        }
-                    },
-                    options,
-                )
-                .await
-            } else {
-                let db = connect(&url, args.db.max_connections, lock_wait).await?;
-                with_store!(db, store => serve(store, options).await)
-            }
-        }
-        Command::Gateway(args) => {
-            check_before_start(
-                &args.database_url,
-                &KeySecretSource::from(&args.secret),
-                args.key_secret_in_database,
-            )?;
-            let options = GatewayOptions::try_from(&args)?;
-            let db = connect(
-                &args.database_url,
-                args.max_connections,
-                idemkey_sqlite::SqliteStore::DEFAULT_BUSY_TIMEOUT,
-            )
-            .await?;
-            with_store!(db, store => idemkey_server::gateway::gateway(store, options).await)
-        }
-        Command::Migrate(db_args) => {
-            let db = connect(&db_args.database_url, db_args.max_connections, DEFAULT_WAIT).await?;
-            with_store!(db, store => idemkey_server::AppDb::migrate_all(&store).await)?;
+        Command::Serve(args) => with_database(&args.db.database_url.clone(), Serve(args)).await,
+        Command::Gateway(args) => with_database(&args.database_url.clone(), Gateway(args)).await,
+        Command::Migrate(db) => {
+            with_database(&db.database_url, Migrate((&db).into())).await?;
             println!("migrations are up to date");
             Ok(())
         }
@@ -158,27 +106,110 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Relay(args) => {
-            let url = &args.db.database_url;
-            let db = open_existing(url, args.db.max_connections, DEFAULT_WAIT).await?;
-            let options = OutboxOptions::try_from(&args.outbox)?;
-            with_store!(db, store => idemkey_server::outbox::relay(store, options, args.listen).await)
-        }
+        Command::Relay(args) => with_database(&args.db.database_url.clone(), Relay(args)).await,
         Command::Outbox(command) => {
-            let (db_args, action) = command.into_parts();
-            let url = db_args.database_url;
-            let db = open_existing(&url, db_args.max_connections, DEFAULT_WAIT).await?;
-            let mut out = std::io::stdout().lock();
-            with_store!(db, store => idemkey_server::outbox::run(store, action, &mut out).await)
+            let (db, action) = command.into_parts();
+            with_database(&db.url.clone(), Outbox(db, action)).await
         }
         Command::Keys(command) => {
-            let (db_args, secret, action) = command.into_parts();
+            let (db, secret, action) = command.into_parts();
             check_given(&secret)?;
-            // Operator commands create nothing: no file, no tables, no secret.
-            let url = db_args.database_url;
-            let db = open_existing(&url, db_args.max_connections, DEFAULT_WAIT).await?;
-            let mut out = std::io::stdout().lock();
-            with_store!(db, store => keys::run(store, &url, &secret, action, &mut out).await)
+            with_database(&db.url.clone(), Keys(db, secret, action)).await
         }
+    }
+}
+
+/// `idemkey serve`.
+struct Serve(ServeArgs);
+
+impl OnDatabase for Serve {
+    type Output = ();
+
+    async fn run<S: Backend>(self) -> anyhow::Result<()> {
+        let Self(args) = self;
+        check_before_start::<S>(
+            &args.db.database_url,
+            &KeySecretSource::from(&args.secret),
+            args.key_secret_in_database,
+        )?;
+        let options = ServeOptions::try_from(&args)?;
+        let mut database = DatabaseOptions::from(&args.db);
+        // Under `reject`, SQLite still waits for its single write lock (the default busy
+        // time-out): refusing at once would refuse every concurrent write, any key.
+        if let InFlightPolicy::Wait(bound) = options.in_flight {
+            database.lock_wait = bound;
+        }
+        serve_on::<S>(database, options).await
+    }
+}
+
+/// `idemkey gateway`.
+struct Gateway(GatewayArgs);
+
+impl OnDatabase for Gateway {
+    type Output = ();
+
+    async fn run<S: Backend>(self) -> anyhow::Result<()> {
+        let Self(args) = self;
+        check_before_start::<S>(
+            &args.database_url,
+            &KeySecretSource::from(&args.secret),
+            args.key_secret_in_database,
+        )?;
+        let options = GatewayOptions::try_from(&args)?;
+        let db = S::connect(&args.database()).await?;
+        idemkey_server::gateway::gateway(db, options).await
+    }
+}
+
+/// `idemkey migrate`.
+struct Migrate(DatabaseOptions);
+
+impl OnDatabase for Migrate {
+    type Output = ();
+
+    async fn run<S: Backend>(self) -> anyhow::Result<()> {
+        S::connect(&self.0).await?.migrate_all().await
+    }
+}
+
+/// `idemkey relay`.
+struct Relay(RelayArgs);
+
+impl OnDatabase for Relay {
+    type Output = ();
+
+    async fn run<S: Backend>(self) -> anyhow::Result<()> {
+        let Self(args) = self;
+        let db = open_existing::<S>(&(&args.db).into()).await?;
+        let options = OutboxOptions::try_from(&args.outbox)?;
+        idemkey_server::outbox::relay(db, options, args.listen).await
+    }
+}
+
+/// `idemkey outbox …`.
+struct Outbox(DatabaseOptions, OutboxAction);
+
+impl OnDatabase for Outbox {
+    type Output = ();
+
+    async fn run<S: Backend>(self) -> anyhow::Result<()> {
+        let Self(database, action) = self;
+        let db = open_existing::<S>(&database).await?;
+        idemkey_server::outbox::run(db, action, &mut std::io::stdout().lock()).await
+    }
+}
+
+/// `idemkey keys …`: operator commands create nothing (no file, no tables, no secret).
+struct Keys(DatabaseOptions, KeySecretSource, KeysAction);
+
+impl OnDatabase for Keys {
+    type Output = ();
+
+    async fn run<S: Backend>(self) -> anyhow::Result<()> {
+        let Self(database, secret, action) = self;
+        let db = open_existing::<S>(&database).await?;
+        let mut out = std::io::stdout().lock();
+        keys::run(db, &database.url, &secret, action, &mut out).await
     }
 }

@@ -184,15 +184,15 @@ fn no_secret_to_start(url: &str) -> anyhow::Error {
     )
 }
 
-/// `serve` and `gateway`, before they connect: on PostgreSQL, a secret must be given unless
+/// `serve` and `gateway`, before they connect to `url`, whose store is `S`: on a database
+/// that is not embedded (PostgreSQL), a secret must be given unless
 /// `--key-secret-in-database` says to keep it there. Fails fast, before any migration.
-pub fn check_before_start(
+pub fn check_before_start<S: GatewayDb>(
     url: &str,
     args: &KeySecretSource,
     in_database: bool,
 ) -> anyhow::Result<()> {
-    let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
-    if postgres && args.key_secret.is_none() && args.key_secret_file.is_none() && !in_database {
+    if !S::EMBEDDED && args.key_secret.is_none() && args.key_secret_file.is_none() && !in_database {
         return Err(no_secret_to_start(&redacted(url)));
     }
     check_given(args)

@@ -3,133 +3,24 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use anyhow::Context;
 use axum::Router;
 use axum::extract::Request;
 use axum::response::IntoResponse;
 use idemkey_core::{FirstSentPolicy, StoreError};
 use idemkey_outbox::OutboxMetrics;
-use idemkey_postgres::PgStore;
-use idemkey_sqlite::RusqliteStore;
 use idemkey_tower::{InFlightPolicy, Metrics, PurgeTask, SystemClock};
 use rand::RngCore;
-use sqlx::sqlite::SqliteConnectOptions;
 use tower::ServiceExt;
 
-use crate::gateway::GatewayDb;
+use crate::db::{Backend, DatabaseOptions};
 use crate::http_server::{self, HttpLimits};
 use crate::outbox::{OutboxOptions, spawn_relay};
 use crate::problem::ApiError;
-use crate::secret::{KeySecretSource, KeySecrets, SecretUrl, migrate_for_start, redacted};
+use crate::secret::{KeySecretSource, KeySecrets, SecretUrl, migrate_for_start};
 use crate::{ApiKeys, AppConfig, AppDb, app};
-
-/// A connected database of either kind.
-#[derive(Debug, Clone)]
-pub enum Database {
-    /// `sqlite:…`, on the store that runs its statements on the calling thread
-    /// (docs/decisions.md, "SQLite's writer without sqlx's worker thread").
-    Sqlite(RusqliteStore),
-    /// `postgres://…`
-    Postgres(PgStore),
-}
-
-/// Connects to `url`: `sqlite:path` (created if missing) or `postgres://…`. For `serve`,
-/// `gateway` and `migrate`, which create what is missing; the other commands use
-/// [`open_existing`].
-///
-/// `lock_wait` bounds how long a SQLite claim waits for the database's single write lock
-/// (its busy time-out); PostgreSQL claims are bounded per route by the layer.
-pub async fn connect(
-    url: &str,
-    max_connections: u32,
-    lock_wait: Duration,
-) -> anyhow::Result<Database> {
-    if url.starts_with("sqlite:") {
-        let file = sqlite_file(url)?;
-        crate::db::private_sqlite_file(&file)?;
-        let store = RusqliteStore::open_with_busy_timeout(&file, lock_wait)
-            .with_context(|| format!("cannot open the SQLite database {url}"))?;
-        Ok(Database::Sqlite(store))
-    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let store = PgStore::connect(url, max_connections)
-            .await
-            .with_context(|| format!("cannot connect to PostgreSQL at `{}`", redacted(url)))?;
-        Ok(Database::Postgres(store))
-    } else {
-        anyhow::bail!(
-            "unsupported database URL {:?}: expected sqlite:<path> or postgres://…",
-            redacted(url)
-        )
-    }
-}
-
-/// Opens the database `url` for an operator command: it must exist and carry idemkey's
-/// tables (`idemkey serve`, `gateway` or `migrate` made them, or an application's own run of
-/// idemkey's migrations). Creates nothing: a missing SQLite file or missing tables is an
-/// error naming the URL and how to fix it.
-pub async fn open_existing(
-    url: &str,
-    max_connections: u32,
-    lock_wait: Duration,
-) -> anyhow::Result<Database> {
-    let fix =
-        "pass --database-url (or IDEMKEY_DATABASE_URL) naming the database `idemkey serve` uses";
-    let shown = redacted(url);
-    let db = if url.starts_with("sqlite:") {
-        let file = sqlite_file(url)?;
-        if !file.exists() {
-            anyhow::bail!("`{url}` does not exist; {fix}");
-        }
-        // Opened as it is: nothing is created, and the journal mode is left as the file says
-        // (WAL once `serve` made it), as setting it would write to a file that may not be ours.
-        let store = RusqliteStore::open_existing(&file, lock_wait)
-            .with_context(|| format!("cannot open the SQLite database `{url}`"))?;
-        Database::Sqlite(store)
-    } else {
-        connect(url, max_connections, lock_wait).await?
-    };
-    let missing = crate::with_store!(&db, store => store.missing_tables().await)
-        .with_context(|| format!("cannot read the tables of `{shown}`"))?;
-    if !missing.is_empty() {
-        anyhow::bail!(
-            "`{shown}` has no idemkey tables ({} missing): idemkey's migrations did not run on \
-             it; {fix}, or run `idemkey migrate --database-url …` first",
-            missing.join(", ")
-        );
-    }
-    Ok(db)
-}
-
-/// The file a `sqlite:` URL names, as sqlx reads the URL. An in-memory database is refused:
-/// each of the store's connections would open a database of its own.
-fn sqlite_file(url: &str) -> anyhow::Result<PathBuf> {
-    let options = SqliteConnectOptions::from_str(url)
-        .with_context(|| format!("invalid SQLite URL `{url}`"))?;
-    let file = options.get_filename();
-    if file == Path::new(":memory:") {
-        anyhow::bail!(
-            "`{url}` is an in-memory database, which the server's connections cannot share; \
-             name a file (sqlite:idemkey.db)"
-        );
-    }
-    Ok(file.to_owned())
-}
-
-/// Runs `$body` with `$store` bound to the concrete store of a [`Database`].
-#[macro_export]
-macro_rules! with_store {
-    ($db:expr, $store:ident => $body:expr) => {
-        match $db {
-            $crate::Database::Sqlite($store) => $body,
-            $crate::Database::Postgres($store) => $body,
-        }
-    };
-}
 
 /// Options of `idemkey serve`.
 #[derive(Debug, Clone)]
@@ -184,6 +75,28 @@ pub async fn serve<S: AppDb>(db: S, options: ServeOptions) -> anyhow::Result<()>
         move || {
             let db = db.clone();
             async move { Ok(db) }
+        },
+        options,
+    )
+    .await
+}
+
+/// Serves the payments API on the database `database` names, its store `S` as
+/// [`with_database`](crate::with_database) picks it: an embedded database (SQLite) is opened
+/// before the server listens, as [`serve`] takes it; a database server (PostgreSQL) is
+/// reached in the background, as [`serve_with`] does, so the server may start before it.
+pub async fn serve_on<S: Backend>(
+    database: DatabaseOptions,
+    options: ServeOptions,
+) -> anyhow::Result<()> {
+    if S::EMBEDDED {
+        let db = S::connect(&database).await?;
+        return serve(db, options).await;
+    }
+    serve_with(
+        move || {
+            let database = database.clone();
+            async move { S::connect(&database).await }
         },
         options,
     )

@@ -80,3 +80,28 @@ fn clap_types_stay_in_the_command_line_module() {
         );
     }
 }
+
+/// What telling a database kind apart, or opening a kind's store, reads like.
+const PICKS_A_STORE: [&str; 5] = [
+    "starts_with(\"sqlite",
+    "starts_with(\"postgres",
+    "PgStore::connect(",
+    "RusqliteStore::open",
+    "SqliteStore::DEFAULT_BUSY_TIMEOUT",
+];
+
+#[test]
+fn one_module_tells_database_kinds_apart() {
+    let found = naming(&PICKS_A_STORE);
+    let outside: Vec<&(String, String)> =
+        found.iter().filter(|(file, _)| file != "db.rs").collect();
+    assert!(
+        outside.is_empty(),
+        "modules that tell a database kind by its URL or open a kind's store themselves \
+         (db.rs's `with_database` is the one place): {outside:?}"
+    );
+    assert!(
+        found.iter().any(|(file, _)| file == "db.rs"),
+        "db.rs no longer picks the stores: {found:?}"
+    );
+}
