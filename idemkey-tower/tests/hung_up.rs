@@ -1,11 +1,13 @@
 //! A client that hangs up once its key is reserved, in external mode: the server drops the
 //! layer's future (hyper does, on the client's end of stream) while the reservation's write
 //! is committed but not yet answered. The reservation and its owner's exchange run to the
-//! end all the same: the retry gets the one stored answer, never a wait for the lease.
+//! end all the same: the retry gets the one stored answer, never a wait for the lease. In
+//! local mode the claim goes with the client (its transaction rolls back).
 //!
-//! The store is a real SQLite store behind a wrapper that holds the first reservation, once
-//! committed, until the test lets it answer, and says whether it answered or was dropped on
-//! the way. The clock is the test's and never moves: a lease never lapses here.
+//! The store is a real SQLite store behind a wrapper that holds the first claim, once made
+//! (a reservation committed; in local mode, a claim in its open transaction), until the
+//! test lets it answer, and says whether it answered or was dropped on the way. The clock
+//! is the test's and never moves: a lease never lapses here.
 
 mod support;
 
@@ -24,7 +26,7 @@ use idemkey_core::{
     RecordId, RecordState, Store, StoreAdmin, StoreError, StoredResponse, Timestamp,
 };
 use idemkey_sqlite::SqliteStore;
-use idemkey_tower::{External, IdempotencyLayer, InFlightPolicy, REPLAYED_HEADER};
+use idemkey_tower::{External, IdempotencyLayer, InFlightPolicy, REPLAYED_HEADER, Tx};
 use support::ManualClock;
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tower::ServiceExt;
@@ -42,7 +44,7 @@ enum Fate {
 #[derive(Debug)]
 struct Hold {
     armed: AtomicBool,
-    /// Told once the held reservation is committed.
+    /// Told once the held claim is made.
     committed: Notify,
     /// The held reservation answers once this has a permit.
     answer: Semaphore,
@@ -64,6 +66,19 @@ impl Hold {
         };
         (Arc::new(hold), fates)
     }
+
+    /// The first claim's result (a committed reservation, or a claim in its open
+    /// transaction), once the test lets it go; later ones at once.
+    async fn held<T>(&self, claimed: T) -> T {
+        if !self.armed.swap(false, Ordering::SeqCst) {
+            return claimed;
+        }
+        let mut fate = FateGuard(&self.fate, false);
+        self.committed.notify_one();
+        self.answer.acquire().await.expect("open").forget();
+        fate.1 = true;
+        claimed
+    }
 }
 
 /// Sends [`Fate::Dropped`] unless defused: dropped with the call it guards.
@@ -80,7 +95,7 @@ impl Drop for FateGuard<'_> {
     }
 }
 
-/// A store whose first reservation waits, committed, for the test before it answers.
+/// A store whose first claim waits, made, for the test before it answers.
 #[derive(Debug, Clone)]
 struct Held<S> {
     inner: S,
@@ -118,14 +133,7 @@ impl<S: Store> Store for Held<S> {
 
     async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
         let inserted = self.inner.insert_autocommit(record).await;
-        if !self.hold.armed.swap(false, Ordering::SeqCst) {
-            return inserted;
-        }
-        let mut fate = FateGuard(&self.hold.fate, false);
-        self.hold.committed.notify_one();
-        self.hold.answer.acquire().await.expect("open").forget();
-        fate.1 = true;
-        inserted
+        self.hold.held(inserted).await
     }
 
     async fn complete_autocommit(
@@ -156,7 +164,8 @@ impl<S: Store> Store for Held<S> {
         record: &NewRecord,
         lock_wait: Option<Duration>,
     ) -> Result<Begun<Self::Transaction>, StoreError> {
-        self.inner.begin_claim(record, lock_wait).await
+        let begun = self.inner.begin_claim(record, lock_wait).await;
+        self.hold.held(begun).await
     }
 
     async fn complete_and_commit(
@@ -269,6 +278,12 @@ impl Default for Bank {
     }
 }
 
+/// The same service in local mode: its effect would go in the claim's transaction.
+async fn local_transfer(State(bank): State<Bank>, _tx: Tx<HeldStore>) -> Response {
+    let n = bank.calls.fetch_add(1, Ordering::SeqCst) + 1;
+    (StatusCode::CREATED, format!("{{\"transfer\":{n}}}")).into_response()
+}
+
 async fn transfer(State(bank): State<Bank>, op: External<HeldStore>, body: Bytes) -> Response {
     if let Err(rejection) = op.point_of_no_return().await {
         return rejection.into_response();
@@ -356,15 +371,16 @@ async fn send(app: &Router, body: &'static str) -> (StatusCode, bool, String) {
 }
 
 impl Setup {
-    /// Sends a request and drops it once its reservation is committed, before the
-    /// reservation answers (the client hangs up; the server drops the layer's future); then
-    /// lets the reservation answer, and says whether anyone was still there to take it.
-    async fn hang_up_once_reserved(&mut self, body: &'static str) -> Fate {
+    /// Sends a request and drops it once its claim is made (in external mode: the
+    /// reservation committed), before the claim answers (the client hangs up; the server
+    /// drops the layer's future); then lets the claim answer, and says whether anyone was
+    /// still there to take it.
+    async fn hang_up_once_claimed(&mut self, body: &'static str) -> Fate {
         let mut first = Box::pin(self.app.clone().oneshot(request(body)));
         tokio::select! {
             biased;
             () = self.hold.committed.notified() => {}
-            answer = &mut first => panic!("answered before its reservation: {answer:?}"),
+            answer = &mut first => panic!("answered before its claim: {answer:?}"),
         }
         drop(first);
         self.hold.answer.add_permits(1);
@@ -384,7 +400,7 @@ impl Setup {
 async fn a_reservation_whose_client_hung_up_is_owned_to_the_end() {
     let mut s = setup(InFlightPolicy::default(), true).await;
     assert_eq!(
-        s.hang_up_once_reserved("go").await,
+        s.hang_up_once_claimed("go").await,
         Fate::Answered,
         "the reservation was dropped with the client: its key is left reserved, owned by nobody"
     );
@@ -405,7 +421,7 @@ async fn a_reservation_whose_client_hung_up_is_owned_to_the_end() {
 async fn under_reject_the_retry_is_in_flight_then_replays() {
     let mut s = setup(InFlightPolicy::Reject, true).await;
     assert_eq!(
-        s.hang_up_once_reserved("hold").await,
+        s.hang_up_once_claimed("hold").await,
         Fate::Answered,
         "the reservation was dropped with the client: its key is left reserved, owned by nobody"
     );
@@ -462,4 +478,29 @@ async fn a_wait_for_another_process_ends_when_its_client_leaves() {
         (StatusCode::CREATED, true, r#"{"transfer":1}"#)
     );
     assert_eq!(s.bank.calls.load(Ordering::SeqCst), 1);
+}
+
+/// Local mode has nothing to strand: a claim is made in the transaction that the handler's
+/// effect and the answer are written in, so a client that hangs up once its key is claimed
+/// takes the claim with it (rolled back), and the retry runs afresh at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_local_mode_a_claim_whose_client_hung_up_is_rolled_back() {
+    let mut s = setup(InFlightPolicy::default(), true).await;
+    let layer = IdempotencyLayer::new(
+        Held {
+            inner: s.sqlite.clone(),
+            hold: s.hold.clone(),
+        },
+        KeyHasher::new(b"a test secret of 32 bytes or more"),
+    )
+    .clock(s.clock.clone());
+    s.app = Router::new()
+        .route("/transfers", post(local_transfer).layer(layer))
+        .with_state(s.bank.clone());
+    assert_eq!(s.hang_up_once_claimed("go").await, Fate::Dropped);
+    let (status, replayed, text) = send(&s.app, "go").await;
+    assert_eq!((status, replayed), (StatusCode::CREATED, false), "{text}");
+    assert_eq!(text, r#"{"transfer":1}"#);
+    assert_eq!(s.bank.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(s.states().await, [RecordState::Completed]);
 }
