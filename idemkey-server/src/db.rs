@@ -44,6 +44,26 @@ pub trait OnDatabase {
 /// To add a database: give its store the traits `serve` and the commands use ([`AppDb`],
 /// with [`GatewayDb`] and the outbox's store) and [`Backend`], then add its scheme here, one
 /// arm, and name it in the refusal.
+///
+/// ```no_run
+/// use idemkey_server::{Backend, DatabaseOptions, OnDatabase, with_database};
+///
+/// /// Runs idemkey's and the payments API's migrations, as `idemkey migrate` does.
+/// struct Migrate(DatabaseOptions);
+///
+/// impl OnDatabase for Migrate {
+///     type Output = ();
+///
+///     async fn run<S: Backend>(self) -> anyhow::Result<()> {
+///         S::connect(&self.0).await?.migrate_all().await
+///     }
+/// }
+///
+/// # async fn example() -> anyhow::Result<()> {
+/// let url = "sqlite:idemkey.db";
+/// with_database(url, Migrate(DatabaseOptions::new(url.to_owned(), 32))).await
+/// # }
+/// ```
 pub async fn with_database<W: OnDatabase>(url: &str, work: W) -> anyhow::Result<W::Output> {
     if url.starts_with("sqlite:") {
         work.run::<RusqliteStore>().await
