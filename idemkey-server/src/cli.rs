@@ -9,6 +9,7 @@ use idemkey_core::{FirstSentPolicy, FirstSentRequirement, RecordState};
 use idemkey_outbox::{MessageState, NatsConfig, NatsSink, WebhookSink};
 use idemkey_tower::{InFlightPolicy, KeyRequirement};
 
+use crate::check::{CheckOptions, Profile, ReportFiles};
 use crate::gateway::{GatewayOptions, RouteRule, Upstream};
 use crate::keys::KeysAction;
 use crate::outbox::{OutboxAction, OutboxOptions, OutboxSink};
@@ -222,8 +223,8 @@ pub struct CheckArgs {
     #[arg(long = "other-caller", value_name = "NAME: VALUE", value_parser = parse_header)]
     pub other_caller: Vec<(String, String)>,
     /// The contract checked.
-    #[arg(long, value_enum, default_value_t = crate::check::Profile::Ietf)]
-    pub profile: crate::check::Profile,
+    #[arg(long, value_enum, default_value_t = ProfileArg::Ietf)]
+    pub profile: ProfileArg,
     /// The most writes the checks may send; refused before the first if the plan needs more.
     #[arg(long, default_value_t = 100)]
     pub max_writes: usize,
@@ -249,21 +250,53 @@ pub struct CheckArgs {
     pub yes: bool,
 }
 
-impl CheckArgs {
-    /// The checker's options.
-    pub fn options(&self) -> crate::check::CheckOptions {
-        crate::check::CheckOptions {
-            url: self.url.clone(),
-            method: self.method.clone(),
-            body: self.body.clone(),
-            headers: self.headers.clone(),
-            other_caller: self.other_caller.clone(),
-            profile: self.profile,
-            max_writes: self.max_writes,
-            race: self.race,
-            effects: self.effects.clone(),
-            yes: self.yes,
-            timeout: self.timeout,
+/// `idemkey check --profile`: the contract checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProfileArg {
+    /// The IETF `Idempotency-Key` header draft: a key is required, a reused key with another
+    /// body is 422.
+    Ietf,
+    /// Stripe's idempotent requests: a key is optional, a reused key with another body is 400
+    /// `idempotency_error` (422 accepted too).
+    Stripe,
+    /// OASIS Repeatable Requests: as `ietf`, plus `Repeatability-First-Sent` too far in the
+    /// past is refused with 412.
+    Oasis,
+}
+
+impl From<ProfileArg> for Profile {
+    fn from(profile: ProfileArg) -> Self {
+        match profile {
+            ProfileArg::Ietf => Self::Ietf,
+            ProfileArg::Stripe => Self::Stripe,
+            ProfileArg::Oasis => Self::Oasis,
+        }
+    }
+}
+
+impl From<&CheckArgs> for CheckOptions {
+    fn from(args: &CheckArgs) -> Self {
+        Self {
+            url: args.url.clone(),
+            method: args.method.clone(),
+            body: args.body.clone(),
+            headers: args.headers.clone(),
+            other_caller: args.other_caller.clone(),
+            profile: args.profile.into(),
+            max_writes: args.max_writes,
+            race: args.race,
+            effects: args.effects.clone(),
+            yes: args.yes,
+            timeout: args.timeout,
+        }
+    }
+}
+
+impl From<&CheckArgs> for ReportFiles {
+    fn from(args: &CheckArgs) -> Self {
+        Self {
+            json: args.json.clone(),
+            junit: args.junit.clone(),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! `idemkey`: parses the command line, wires the parts, reports errors.
 
 use clap::Parser;
+use idemkey_server::check::{self, CheckOptions, ReportFiles};
 use idemkey_server::cli::{Cli, Command, GatewayArgs, RelayArgs, ServeArgs};
 use idemkey_server::gateway::GatewayOptions;
 use idemkey_server::keys::{self, KeysAction};
@@ -80,7 +81,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Check(args) => std::process::exit(idemkey_server::check::command(&args).await),
+        Command::Check(args) => {
+            let files = ReportFiles::from(&args);
+            std::process::exit(check::command(CheckOptions::from(&args), &files).await)
+        }
         Command::Demo(args) => {
             if !(0.0..=1.0).contains(&args.loss) {
                 anyhow::bail!("--loss must be between 0.0 and 1.0");

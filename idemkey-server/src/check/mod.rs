@@ -11,13 +11,14 @@
 //! answer different bodies, a new id), or, with [`CheckOptions::effects`], by a count of
 //! executions the endpoint's owner exposes, read before and after.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 mod checks;
 mod report;
 
 /// Which published contract the checks hold the endpoint to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Profile {
     /// The IETF `Idempotency-Key` header draft: a key is required, a reused key with another
     /// body is 422.
@@ -176,11 +177,19 @@ pub enum CheckError {
     },
 }
 
+/// Where [`command`] writes the report besides the table on stdout; `None`: not written.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReportFiles {
+    /// The report as JSON.
+    pub json: Option<PathBuf>,
+    /// The report as JUnit XML.
+    pub junit: Option<PathBuf>,
+}
+
 /// `idemkey check`: prints the plan and the table, writes the JSON and JUnit files asked
 /// for, and returns the exit code: 0 every required check passed, 1 one failed, 2 the checks
 /// could not run (the reason on stderr).
-pub async fn command(args: &crate::cli::CheckArgs) -> i32 {
-    let options = args.options();
+pub async fn command(options: CheckOptions, files: &ReportFiles) -> i32 {
     let url = options.url.clone();
     let report = match checks::run(options, |planned| {
         println!("idemkey check: {planned} writes planned against {url}");
@@ -195,7 +204,7 @@ pub async fn command(args: &crate::cli::CheckArgs) -> i32 {
     };
     print!("{}", report.table());
     let json = serde_json::to_string_pretty(&report.to_json()).unwrap_or_default();
-    for (path, text) in [(&args.json, json), (&args.junit, report.junit_xml())] {
+    for (path, text) in [(&files.json, json), (&files.junit, report.junit_xml())] {
         if let Some(path) = path
             && let Err(e) = std::fs::write(path, text)
         {
