@@ -173,19 +173,43 @@ pub async fn open_existing<S: Backend>(db: &DatabaseOptions) -> anyhow::Result<S
     Ok(store)
 }
 
-/// The file a `sqlite:` URL names, as sqlx reads the URL. An in-memory database is refused:
-/// each of the store's connections would open a database of its own.
+/// The file a `sqlite:` URL names, as sqlx reads the URL. An in-memory database is refused
+/// ([`in_memory`]): each of the store's connections would open a database of its own.
 fn sqlite_file(url: &str) -> anyhow::Result<PathBuf> {
     let options = SqliteConnectOptions::from_str(url)
         .with_context(|| format!("invalid SQLite URL `{url}`"))?;
     let file = options.get_filename();
-    if file == Path::new(":memory:") {
+    if in_memory(url, file) {
         anyhow::bail!(
             "`{url}` is an in-memory database, which the server's connections cannot share; \
              name a file (sqlite:idemkey.db)"
         );
     }
     Ok(file.to_owned())
+}
+
+/// Whether `url`, whose file sqlx reads as `file`, names an in-memory database: as sqlx
+/// reads it (`:memory:`, which it renames `file:sqlx-in-memory-N`, or `mode=memory` in the
+/// URL's query) or as SQLite reads the file it is opened as (`:memory:`, or a `file:` URI
+/// whose path is `:memory:` or whose query has `mode=memory`, SQLite being built to read
+/// URIs). Opened as a path, sqlx's name or a URI would otherwise be a new file in the
+/// working directory.
+fn in_memory(url: &str, file: &Path) -> bool {
+    fn asks_memory(query: Option<&str>) -> bool {
+        query.is_some_and(|q| q.split('&').any(|pair| pair == "mode=memory"))
+    }
+    let file = file.to_string_lossy();
+    let uri = file.strip_prefix("file:");
+    let (path, query) = match uri {
+        Some(uri) => uri
+            .split_once('?')
+            .map_or((uri, None), |(path, query)| (path, Some(query))),
+        None => (&*file, None),
+    };
+    path == ":memory:"
+        || uri.is_some_and(|uri| uri.starts_with("sqlx-in-memory-"))
+        || asks_memory(query)
+        || asks_memory(url.split_once('?').map(|(_, query)| query))
 }
 
 /// Makes sure the SQLite file at `path` is readable by its owner only before SQLite opens
