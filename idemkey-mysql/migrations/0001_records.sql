@@ -5,8 +5,9 @@
 -- tenant and route are bytes (VARBINARY, the UTF-8 of the text), not VARCHAR: an identity
 -- is compared byte for byte. Every text collation either folds case (`_ci`) or, like
 -- MariaDB's `utf8mb4_bin`, ignores trailing spaces (PAD SPACE), and the primary key would
--- then take 'acme' and 'Acme ' for one tenant. Their lengths keep the primary key within
--- InnoDB's 3072-byte limit; a longer value is refused (strict mode), never cut.
+-- then take 'POST /v1/payments' and 'POST /v1/payments ' for one route (the key hash
+-- covers the tenant, not the route). Their lengths keep the primary key within InnoDB's
+-- 3072-byte limit; a longer value is refused (strict mode), never cut.
 -- response_body is LONGBLOB; a row travels in one packet, so a stored response must also
 -- fit the server's max_allowed_packet (docs/records.md, "MySQL and MariaDB").
 CREATE TABLE idemkey_records (

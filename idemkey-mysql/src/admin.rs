@@ -12,6 +12,9 @@ use crate::codes::error;
 use crate::sql;
 use crate::store::{Statement, record, with_id};
 
+/// A row a purge batch deletes: its identity as stored (bytes), and its expiry.
+type Expired = (Vec<u8>, Vec<u8>, Vec<u8>, i64);
+
 /// The rows of a purge batch deleted per `DELETE`: three parameters each, well inside
 /// MySQL's 65,535 per statement.
 const DELETE_CHUNK: usize = 1000;
@@ -61,7 +64,7 @@ impl StoreAdmin for MySqlStore {
     }
 
     /// One transaction: the batch's rows, locked and skipping those already locked
-    /// ([`sql::PURGE_SELECT`]), then deleted by primary key. MySQL's `DELETE` has no
+    /// (`sql::PURGE_SELECT`), then deleted by primary key. MySQL's `DELETE` has no
     /// `RETURNING` to tell the latest expiry it deleted; the locking read does.
     async fn purge_batch(
         &self,
@@ -71,7 +74,7 @@ impl StoreAdmin for MySqlStore {
         batch: u32,
     ) -> Result<Purged, StoreError> {
         let mut tx = conn.begin().await.map_err(error)?;
-        let rows: Vec<(Vec<u8>, Vec<u8>, Vec<u8>, i64)> = sqlx::query_as(sql::PURGE_SELECT)
+        let rows: Vec<Expired> = sqlx::query_as(sql::PURGE_SELECT)
             .bind(now.as_millis())
             .bind(from.map_or(i64::MIN, Timestamp::as_millis))
             .bind(i64::from(batch))

@@ -1,0 +1,225 @@
+//! What InnoDB does differently from the other stores' databases, each shown on a real
+//! MariaDB server: the snapshot of REPEATABLE READ, deadlocks between claims of one key,
+//! the lock wait in whole seconds, collations that fold text, and strict mode.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{MySqlHarness, one_at_a_time};
+use idemkey_core::protocol::{self, Claim, ClaimOutcome};
+use idemkey_core::{IdempotencyKey, KeyHasher, Scope, Store, Timestamp};
+use idemkey_mysql::MySqlStore;
+use idemkey_testkit::Harness;
+use idemkey_testkit::conformance::{begin_owned, json_fp, response, run_once_on};
+
+fn claim_of(tenant: &str, key: &str) -> Claim {
+    let key = IdempotencyKey::parse(key.as_bytes()).expect("key");
+    Claim {
+        id: KeyHasher::new(b"secret").record_id(&Scope::new(tenant, "POST", "/v1/payments"), &key),
+        fingerprint: json_fp("{}"),
+        now: Timestamp::now(),
+        retention: Duration::from_secs(3600),
+        sealed_key: None,
+        first_sent: None,
+    }
+}
+
+/// Waits until `n` transactions wait for a lock (under [`one_at_a_time`]).
+async fn until_waiting(h: &MySqlHarness, n: usize) {
+    while h.lock_waits().await < n {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// A claim on a transaction of the caller's that read something first, as a handler may:
+/// under REPEATABLE READ that read fixed the transaction's snapshot. Returns the outcome; an
+/// owner writes its effect and completes, as `run_once_on` does.
+async fn claim_after_a_read(h: &MySqlHarness, claim: &Claim, label: &str) -> ClaimOutcome {
+    let store = &h.store;
+    let mut tx = store.begin().await.expect("begin");
+    let _: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("read");
+    let outcome = protocol::claim(store, &mut tx, claim).await.expect("claim");
+    if let ClaimOutcome::Owned { token, .. } = outcome {
+        h.write_effect(&mut tx, label).await;
+        protocol::complete(store, &mut tx, &claim.id, token, &response("{}"), claim.now)
+            .await
+            .expect("complete");
+    }
+    store.commit(tx).await.expect("commit");
+    outcome
+}
+
+/// 32 claims of one key wait on its owner's uncommitted row, half on the layer's path and
+/// half on transactions whose snapshot predates the owner's commit. Once the owner commits,
+/// every one of them replays the owner's response: the claim reads the record that took the
+/// key with a locking read, which sees the latest committed row, not the snapshot's. One
+/// effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_loser_of_a_race_replays_the_winners_record() {
+    const LOSERS: usize = 32;
+    let _alone = one_at_a_time().await;
+    let h = Arc::new(MySqlHarness::new().await);
+    let claim = claim_of("t1", "raced");
+    let (mut owner, token) = begin_owned(&h.store, &claim).await;
+    let losers: Vec<_> = (0..LOSERS)
+        .map(|i| {
+            let (h, claim) = (h.clone(), claim.clone());
+            tokio::spawn(async move {
+                if i % 2 == 0 {
+                    run_once_on(&*h, &h.store, &claim, "loser", "{\"loser\":true}").await
+                } else {
+                    claim_after_a_read(&h, &claim, "loser").await
+                }
+            })
+        })
+        .collect();
+    until_waiting(&h, LOSERS).await;
+    h.write_effect(&mut owner, "winner").await;
+    let stored = response("{\"winner\":true}");
+    h.store
+        .complete_and_commit(owner, &claim.id, token, &stored, claim.now)
+        .await
+        .expect("complete and commit");
+    for loser in losers {
+        let outcome = loser.await.expect("loser");
+        assert!(
+            matches!(&outcome, ClaimOutcome::Replay { response, .. } if *response == stored),
+            "{outcome:?}"
+        );
+    }
+    assert_eq!(h.count_effects().await, 1);
+}
+
+/// Two claims wait on an owner that then rolls back: each holds a shared lock on the key
+/// from its duplicate check and both go on to insert, a deadlock InnoDB breaks by rolling
+/// back one of them whole (error 1213). That is a lost race: the victim begins again, waits
+/// on the claim that won, and replays its record. One owner, one effect, no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deadlock_between_claims_is_a_lost_race() {
+    let _alone = one_at_a_time().await;
+    let h = Arc::new(MySqlHarness::new().await);
+    let before = h.deadlocks().await;
+    let claim = claim_of("t1", "deadlocked");
+    let (owner, _) = begin_owned(&h.store, &claim).await;
+    let waiters: Vec<_> = (0..2)
+        .map(|i| {
+            let (h, claim) = (h.clone(), claim.clone());
+            tokio::spawn(async move {
+                let body = format!("{{\"waiter\":{i}}}");
+                run_once_on(&*h, &h.store, &claim, "waiter", &body).await
+            })
+        })
+        .collect();
+    until_waiting(&h, 2).await;
+    owner.rollback().await.expect("roll back");
+    let mut owned = 0;
+    let mut replayed = 0;
+    for waiter in waiters {
+        match waiter.await.expect("waiter") {
+            ClaimOutcome::Owned { .. } => owned += 1,
+            ClaimOutcome::Replay { .. } => replayed += 1,
+            other => panic!("a deadlock's victim replays the winner: {other:?}"),
+        }
+    }
+    assert_eq!((owned, replayed), (1, 1));
+    assert_eq!(h.count_effects().await, 1);
+    assert!(
+        h.deadlocks().await > before,
+        "InnoDB broke a deadlock between the two claims"
+    );
+}
+
+/// A claim told to wait at most 1 ms for the owner's row waits InnoDB's least, 1 s, and
+/// answers "in flight" (error 1205, busy), with no transaction left open. The wait does not
+/// outlast the claim: the store's next transaction on the same connection waits its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bounded_claim_on_a_held_key_is_in_flight_and_its_wait_ends_with_it() {
+    let _alone = one_at_a_time().await;
+    let h = MySqlHarness::new().await;
+    let claim = claim_of("t1", "held");
+    let (mut owner, token) = begin_owned(&h.store, &claim).await;
+    h.write_effect(&mut owner, "held").await;
+    // One connection, so the next transaction is on the one the bounded claim used.
+    let single = MySqlStore::connect(&h.url, 1).await.expect("connect");
+    let (tx, waited) = protocol::begin_claim(&single, &claim, Some(Duration::from_millis(1)))
+        .await
+        .expect("claim");
+    assert!(tx.is_none(), "no transaction for an in-flight answer");
+    assert!(
+        matches!(waited, ClaimOutcome::InFlight { .. }),
+        "{waited:?}"
+    );
+    let mut next = single.begin().await.expect("begin");
+    let wait: u64 = sqlx::query_scalar("SELECT @@SESSION.innodb_lock_wait_timeout")
+        .fetch_one(&mut *next)
+        .await
+        .expect("lock wait");
+    assert_eq!(wait, MySqlStore::DEFAULT_LOCK_WAIT.as_secs());
+    drop(next);
+    h.store
+        .complete_and_commit(owner, &claim.id, token, &response("{}"), claim.now)
+        .await
+        .expect("complete and commit");
+    let again = run_once_on(&h, &h.store, &claim, "again", "{}").await;
+    assert!(matches!(again, ClaimOutcome::Replay { .. }), "{again:?}");
+    assert_eq!(h.count_effects().await, 1);
+}
+
+/// Routes (and tenants) that differ only in case or trailing spaces are different
+/// identities: each claim of the same key owns its own record. A text collation would take
+/// them for one (`_ci` folds case; MariaDB's `utf8mb4_bin` ignores trailing spaces) and
+/// answer one route with another's record. (The key hash covers the tenant, not the route.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identities_are_compared_byte_for_byte() {
+    let h = MySqlHarness::new().await;
+    let scopes = [
+        ("acme", "/v1/payments"),
+        ("acme", "/v1/Payments"),
+        ("acme", "/v1/payments "),
+        ("Acme ", "/v1/payments"),
+    ];
+    for (tenant, route) in scopes {
+        let key = IdempotencyKey::parse(b"same").expect("key");
+        let claim = Claim {
+            id: KeyHasher::new(b"secret").record_id(&Scope::new(tenant, "POST", route), &key),
+            ..claim_of(tenant, "same")
+        };
+        let outcome = run_once_on(&h, &h.store, &claim, route, "{}").await;
+        assert!(
+            matches!(outcome, ClaimOutcome::Owned { .. }),
+            "{tenant:?} {route:?}: {outcome:?}"
+        );
+    }
+    assert_eq!(h.count_effects().await, 4);
+}
+
+/// On a server whose `sql_mode` is not strict, the store's connections still are: a
+/// tenant longer than its column is an error of the claim, not a row cut to fit (where
+/// `INSERT IGNORE`, or a lax session, would claim the key of the tenant's first 255 bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_too_long_is_refused_on_a_lax_server() {
+    let h = MySqlHarness::new().await;
+    sqlx::query("SET GLOBAL sql_mode = ''")
+        .execute(&h.admin)
+        .await
+        .expect("lax server");
+    let store = MySqlStore::connect(&h.url, 2).await;
+    sqlx::query("SET GLOBAL sql_mode = DEFAULT")
+        .execute(&h.admin)
+        .await
+        .expect("strict again");
+    let store = store.expect("connect");
+    let long = "t".repeat(300);
+    let refused = protocol::begin_claim(&store, &claim_of(&long, "long"), None).await;
+    assert!(
+        matches!(refused, Err(protocol::Error::Store(_))),
+        "{refused:?}"
+    );
+    let fine = run_once_on(&h, &store, &claim_of(&long[..255], "long"), "fine", "{}").await;
+    assert!(matches!(fine, ClaimOutcome::Owned { .. }), "{fine:?}");
+}
