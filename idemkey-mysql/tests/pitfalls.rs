@@ -223,3 +223,43 @@ async fn a_value_too_long_is_refused_on_a_lax_server() {
     let fine = run_once_on(&h, &store, &claim_of(&long[..255], "long"), "fine", "{}").await;
     assert!(matches!(fine, ClaimOutcome::Owned { .. }), "{fine:?}");
 }
+
+/// A stored response travels in one packet: one larger than the server's
+/// `max_allowed_packet` is refused (error 1153, the server closes the connection), the
+/// completion fails before its `COMMIT`, and nothing of the owner's is kept: the key is free
+/// for a retry, which owns it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_larger_than_max_allowed_packet_commits_nothing() {
+    let h = MySqlHarness::new().await;
+    let before: u64 = sqlx::query_scalar("SELECT @@GLOBAL.max_allowed_packet")
+        .fetch_one(&h.admin)
+        .await
+        .expect("max_allowed_packet");
+    sqlx::query("SET GLOBAL max_allowed_packet = 1048576")
+        .execute(&h.admin)
+        .await
+        .expect("a small packet");
+    let store = MySqlStore::connect(&h.url, 2).await;
+    sqlx::query("SET GLOBAL max_allowed_packet = ?")
+        .bind(before)
+        .execute(&h.admin)
+        .await
+        .expect("the packet as it was");
+    let store = store.expect("connect");
+    let claim = claim_of("t1", "too-large");
+    let (mut tx, token) = begin_owned(&store, &claim).await;
+    h.write_effect(&mut tx, "too-large").await;
+    let mut large = response("{}");
+    large.body = vec![b' '; 2 * 1024 * 1024];
+    let refused = store
+        .complete_and_commit(tx, &claim.id, token, &large, claim.now)
+        .await;
+    assert!(
+        matches!(refused, Err(idemkey_core::CommitError::NotCommitted(_))),
+        "{refused:?}"
+    );
+    assert_eq!(h.count_effects().await, 0);
+    let retry = run_once_on(&h, &h.store, &claim, "retry", "{}").await;
+    assert!(matches!(retry, ClaimOutcome::Owned { .. }), "{retry:?}");
+    assert_eq!(h.count_effects().await, 1);
+}
