@@ -173,19 +173,77 @@ pub async fn open_existing<S: Backend>(db: &DatabaseOptions) -> anyhow::Result<S
     Ok(store)
 }
 
-/// The file a `sqlite:` URL names, as sqlx reads the URL. An in-memory database is refused
-/// ([`in_memory`]): each of the store's connections would open a database of its own.
+/// The file a `sqlite:` URL names, as sqlx reads the URL: `sqlite:<path>` or
+/// `sqlite://<path>`, %-escapes decoded. The store opens that path and nothing else, so a URL
+/// it cannot honour is refused, naming it and what to write instead: an in-memory database
+/// ([`in_memory`]) or none (each of the store's connections would open a database of its
+/// own), a SQLite `file:` URI (SQLite would open another file than the one
+/// [`private_sqlite_file`] made), query parameters (the store applies none: sqlx's `mode`,
+/// `cache`, `immutable` and `vfs` would have no effect), or a name that the migrations,
+/// given `sqlite:<path>`, would read as another file (a `?` or a %-escape in it).
 fn sqlite_file(url: &str) -> anyhow::Result<PathBuf> {
-    let options = SqliteConnectOptions::from_str(url)
-        .with_context(|| format!("invalid SQLite URL `{url}`"))?;
+    let shown = redacted(url);
+    let (location, query) = url
+        .split_once('?')
+        .map_or((url, None), |(location, query)| (location, Some(query)));
+    let options = SqliteConnectOptions::from_str(location)
+        .with_context(|| format!("invalid SQLite URL `{shown}`"))?;
     let file = options.get_filename();
     if in_memory(url, file) {
         anyhow::bail!(
-            "`{url}` is an in-memory database, which the server's connections cannot share; \
+            "`{shown}` is an in-memory database, which the server's connections cannot share; \
              name a file (sqlite:idemkey.db)"
         );
     }
+    let name = file.to_string_lossy();
+    if name.is_empty() {
+        anyhow::bail!(
+            "`{shown}` names no file, and SQLite would open a temporary database for each of \
+             the server's connections; name a file (sqlite:idemkey.db)"
+        );
+    }
+    if let Some(uri) = name.strip_prefix("file:") {
+        anyhow::bail!(
+            "`{shown}` names its file as a SQLite `file:` URI, which the server does not read \
+             (SQLite would open another file than the one it makes private); write \
+             `sqlite:{}`, or `sqlite:./file:…` for a file whose name begins with `file:`",
+            uri_path(uri)
+        );
+    }
+    let parameters: Vec<&str> = query
+        .into_iter()
+        .flat_map(|query| query.split('&'))
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| pair.split_once('=').map_or(pair, |(name, _)| name))
+        .collect();
+    if !parameters.is_empty() {
+        anyhow::bail!(
+            "`{shown}` has query parameters ({}), which the server does not apply: it opens \
+             the file by its path, read-write; write `{location}`",
+            parameters.join(", ")
+        );
+    }
+    let reread = SqliteConnectOptions::from_str(&format!("sqlite:{name}"));
+    if !reread.is_ok_and(|reread| reread.get_filename() == file) {
+        anyhow::bail!(
+            "`{shown}` names the file `{name}`, which the migrations would read as another \
+             file (they are given `sqlite:{name}`, whose `?` or %-escape they read again); \
+             name a file without `?` or %-escapes"
+        );
+    }
     Ok(file.to_owned())
+}
+
+/// The path of the `file:` URI whose text after `file:` is `uri`, as SQLite reads it: without
+/// its query, and without its authority (empty or `localhost`).
+fn uri_path(uri: &str) -> &str {
+    let path = uri.split(['?', '#']).next().unwrap_or_default();
+    match path.strip_prefix("//") {
+        Some(authority_and_path) => authority_and_path
+            .find('/')
+            .map_or(authority_and_path, |slash| &authority_and_path[slash..]),
+        None => path,
+    }
 }
 
 /// Whether `url`, whose file sqlx reads as `file`, names an in-memory database: as sqlx
