@@ -55,9 +55,12 @@ async fn guarded(conn: &mut MySqlConnection, q: Statement) -> Result<bool, Store
 }
 
 /// `innodb_lock_wait_timeout` for `wait`: whole seconds, rounded up so that a wait is
-/// never cut shorter than asked, and at least 1, InnoDB's least (a 1 ms bound waits 1 s).
+/// never cut shorter than asked, within InnoDB's range: at least 1 (a 1 ms bound waits 1 s),
+/// at most 2^30.
 fn lock_wait_seconds(wait: Duration) -> u64 {
-    let whole = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    let whole = wait
+        .as_secs()
+        .saturating_add(u64::from(wait.subsec_nanos() > 0));
     whole.clamp(1, 1 << 30)
 }
 
@@ -290,5 +293,25 @@ impl Store for MySqlStore {
         token: i64,
     ) -> Result<bool, StoreError> {
         guarded(conn, with_id(sqlx::query(sql::RELEASE), id).bind(token)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// InnoDB's wait is whole seconds, at least 1: a bound is rounded up, never cut.
+    #[test]
+    fn lock_waits_round_up_to_whole_seconds() {
+        for (wait, seconds) in [
+            (Duration::ZERO, 1),
+            (Duration::from_millis(1), 1),
+            (Duration::from_secs(1), 1),
+            (Duration::from_millis(1500), 2),
+            (Duration::from_secs(5), 5),
+            (Duration::MAX, 1 << 30),
+        ] {
+            assert_eq!(lock_wait_seconds(wait), seconds, "{wait:?}");
+        }
     }
 }
