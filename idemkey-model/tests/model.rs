@@ -204,8 +204,8 @@ fn deep() {
     }
     let number = |name: &str, default: u8| var(name).map_or(default, |v| v.parse().expect(name));
     base.attempts = number("MODEL_ATTEMPTS", 3);
-    base.crashes = number("MODEL_CRASHES", 2);
-    base.losses = number("MODEL_LOSSES", 2);
+    base.crashes = number("MODEL_CRASHES", 1);
+    base.losses = number("MODEL_LOSSES", 1);
     for (name, mode) in [
         ("deep external", base.mode),
         (
