@@ -20,7 +20,7 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::PgConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 
-use crate::gateway::{GatewayDb, sqlite_url};
+use crate::gateway::{GatewayDb, sqlx_store};
 use crate::secret::{SecretUrl, redacted};
 
 /// Work to do on the database a URL names, whichever its kind: [`with_database`] runs it
@@ -494,7 +494,7 @@ impl AppDb for RusqliteStore {
     async fn migrate_all(&self) -> anyhow::Result<()> {
         // The payments API's migrations are sqlx's, as on `SqliteStore`, through a
         // short-lived sqlx connection to the same file; they come first, as there.
-        let sqlx = SqliteStore::connect(&sqlite_url(self)).await?;
+        let sqlx = sqlx_store(self).await?;
         let migrated = SQLITE_APP_MIGRATIONS.run(sqlx.pool()).await;
         sqlx.pool().close().await;
         migrated?;

@@ -1,5 +1,6 @@
 //! [`SqliteStore`]'s construction: its pool, connect options and writer, and its migrations.
 
+use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,8 +68,21 @@ impl SqliteStore {
         url: &str,
         busy_timeout: Duration,
     ) -> Result<Self, StoreError> {
-        let options = SqliteConnectOptions::from_str(url)
-            .map_err(error)?
+        let options = SqliteConnectOptions::from_str(url).map_err(error)?;
+        Self::connect_with(options, busy_timeout).await
+    }
+
+    /// Like [`connect_with_busy_timeout`](Self::connect_with_busy_timeout), on the file at
+    /// `path` as it is named: no URL is parsed, so a `%` or `?` in the name is part of it.
+    pub async fn open_file(path: &Path, busy_timeout: Duration) -> Result<Self, StoreError> {
+        Self::connect_with(SqliteConnectOptions::new().filename(path), busy_timeout).await
+    }
+
+    async fn connect_with(
+        options: SqliteConnectOptions,
+        busy_timeout: Duration,
+    ) -> Result<Self, StoreError> {
+        let options = options
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)

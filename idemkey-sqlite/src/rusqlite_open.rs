@@ -122,8 +122,7 @@ impl RusqliteStore {
     /// Runs the pending migrations: [`SqliteStore::migrator`]'s, tracked in the same table,
     /// through a short-lived sqlx connection to the same file.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let url = format!("sqlite:{}", self.shared.path.display());
-        let store = SqliteStore::connect_with_busy_timeout(&url, self.shared.busy_timeout).await?;
+        let store = SqliteStore::open_file(&self.shared.path, self.shared.busy_timeout).await?;
         let migrated = store.migrate().await;
         store.pool().close().await;
         migrated.map_err(|e| StoreError::Database(Box::new(e)))

@@ -4,7 +4,7 @@
 
 use std::future::Future;
 
-use idemkey_core::StoreAdmin;
+use idemkey_core::{StoreAdmin, StoreError};
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::rusqlite::OptionalExtension;
 use idemkey_sqlite::{RusqliteStore, SqliteStore};
@@ -179,16 +179,17 @@ impl GatewayDb for RusqliteStore {
         self.migrate().await?;
         // The settings' migrations are sqlx's, as on `SqliteStore`, through a short-lived
         // sqlx connection to the same file.
-        let sqlx = SqliteStore::connect(&sqlite_url(self)).await?;
+        let sqlx = sqlx_store(self).await?;
         let migrated = sqlite_settings_migrator().run(sqlx.pool()).await;
         sqlx.pool().close().await;
         Ok(migrated?)
     }
 }
 
-/// The sqlx URL of a [`RusqliteStore`]'s file, for the migrations sqlx runs on it.
-pub(crate) fn sqlite_url(store: &RusqliteStore) -> String {
-    format!("sqlite:{}", store.path().display())
+/// A short-lived sqlx store on a [`RusqliteStore`]'s file, for the migrations sqlx runs on
+/// it (opened by its path, so no URL is rebuilt from the name).
+pub(crate) async fn sqlx_store(store: &RusqliteStore) -> Result<SqliteStore, StoreError> {
+    SqliteStore::open_file(store.path(), SqliteStore::DEFAULT_BUSY_TIMEOUT).await
 }
 
 impl GatewayDb for PgStore {
