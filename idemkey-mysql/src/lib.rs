@@ -20,6 +20,7 @@
 mod admin;
 mod codes;
 mod connect;
+mod outbox;
 mod sql;
 mod store;
 

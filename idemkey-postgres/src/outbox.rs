@@ -8,7 +8,9 @@ use crate::PgStore;
 use crate::literal;
 use crate::store::error;
 
-/// The outbox statements, in the dialect of PostgreSQL.
+/// The outbox statements, in the dialect of PostgreSQL. Their values are numbered in the
+/// order [`idemkey_sqlx::impl_outbox_store`] binds them; written into the text
+/// (`crate::literal`), they make the same statements whatever their numbers.
 pub(crate) struct Sql;
 
 impl Sql {
@@ -27,24 +29,24 @@ impl Sql {
         ORDER BY m.seq LIMIT $4 FOR UPDATE SKIP LOCKED) \
         RETURNING *";
     const MARK_SENT: &'static str = "\
-        UPDATE idemkey_outbox SET state = 'sent', sent_at = $3, claimed_by = NULL, \
+        UPDATE idemkey_outbox SET state = 'sent', sent_at = $1, claimed_by = NULL, \
         claimed_until = NULL, last_error = NULL \
-        WHERE id = $1 AND claimed_by = $2 AND state = 'pending'";
+        WHERE id = $2 AND claimed_by = $3 AND state = 'pending'";
     const MARK_FAILED: &'static str = "\
         UPDATE idemkey_outbox SET \
-        state = CASE WHEN $3::BIGINT IS NULL THEN 'dead' ELSE 'pending' END, \
-        next_attempt_at = COALESCE($3, next_attempt_at), \
-        claimed_by = NULL, claimed_until = NULL, last_error = $4 \
-        WHERE id = $1 AND claimed_by = $2 AND state = 'pending'";
+        state = CASE WHEN $1::BIGINT IS NULL THEN 'dead' ELSE 'pending' END, \
+        next_attempt_at = COALESCE($2, next_attempt_at), \
+        claimed_by = NULL, claimed_until = NULL, last_error = $3 \
+        WHERE id = $4 AND claimed_by = $5 AND state = 'pending'";
     const MESSAGES: &'static str = "\
         SELECT * FROM idemkey_outbox WHERE ($1::TEXT IS NULL OR state = $1) \
         ORDER BY seq DESC LIMIT $2";
     const MESSAGE: &'static str = "\
         SELECT * FROM idemkey_outbox WHERE id = $1";
     const REQUEUE: &'static str = "\
-        UPDATE idemkey_outbox SET state = 'pending', attempts = 0, next_attempt_at = $2, \
+        UPDATE idemkey_outbox SET state = 'pending', attempts = 0, next_attempt_at = $1, \
         claimed_by = NULL, claimed_until = NULL \
-        WHERE id = $1 AND state = 'dead'";
+        WHERE id = $2 AND state = 'dead'";
     const REMOVE_DEAD: &'static str = "\
         DELETE FROM idemkey_outbox WHERE id = $1 AND state = 'dead'";
     const PURGE_SENT: &'static str = "\

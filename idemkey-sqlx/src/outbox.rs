@@ -5,12 +5,46 @@
 /// side is the same for every dialect (binds, row mapping, errors); the SQL is the store's
 /// own, given as associated constants of `$sql` (`ENQUEUE`, `CLAIM_DUE`, `MARK_SENT`,
 /// `MARK_FAILED`, `MESSAGES`, `MESSAGE`, `REQUEUE`, `REMOVE_DEAD`, `PURGE_SENT`, `STATS`,
-/// `APPEND_AUDIT`, `AUDIT`), each binding its parameters in the order the calls here give
-/// them. `$error` maps a `sqlx::Error` to a [`StoreError`](idemkey_core::StoreError). Two
-/// more arguments, `$query` and `$query_as`, replace `sqlx::query` and `sqlx::query_as`
-/// with functions of the store's that take the same calls (`bind`, `execute`, `fetch_*`).
+/// `APPEND_AUDIT`, `AUDIT`). `$error` maps a `sqlx::Error` to a
+/// [`StoreError`](idemkey_core::StoreError). Two more arguments, `$query` and `$query_as`,
+/// replace `sqlx::query` and `sqlx::query_as` with functions of the store's that take the
+/// same calls (`bind`, `execute`, `fetch_*`).
+///
+/// Each statement's values are bound in one order, the order in which they appear in an
+/// `UPDATE`'s text (the new values, then the message's id and relay), so a dialect of
+/// positional parameters (`?`, each bound once) writes them in that order; a dialect of
+/// numbered ones may reuse one:
+///
+/// | statement | values, in order |
+/// |---|---|
+/// | `ENQUEUE` | id, group, kind, data, created at (also the first due time) |
+/// | `CLAIM_DUE` | relay, now, claimed until, limit |
+/// | `MARK_SENT` | now, id, relay |
+/// | `MARK_FAILED` | next attempt (`NULL`: dead), next attempt again, the failure, id, relay |
+/// | `MESSAGES` | state (`NULL`: any), limit |
+/// | `MESSAGE`, `REMOVE_DEAD`, `AUDIT` | id |
+/// | `REQUEUE` | now, id |
+/// | `PURGE_SENT` | sent before, batch |
+/// | `APPEND_AUDIT` | message id, at, actor, action, detail |
+///
+/// A dialect without `UPDATE … RETURNING` gives the claim as a hook instead of `CLAIM_DUE`
+/// (`claim = path`, after `$error`): an `async fn(&mut $conn, relay: &str, now: Timestamp,
+/// until: Timestamp, limit: u32) -> Result<Vec<MessageRow>, StoreError>` that claims and
+/// returns the claimed rows, each with its `attempts` raised; their order, and their
+/// mapping to messages, are the macro's.
 #[macro_export]
 macro_rules! impl_outbox_store {
+    ($store:ty, $conn:ty, $sql:ty, $error:path, claim = $claim:path) => {
+        $crate::impl_outbox_store!(
+            @impl $store,
+            $conn,
+            $sql,
+            $error,
+            $crate::__private::sqlx::query,
+            $crate::__private::sqlx::query_as,
+            (hook $claim)
+        );
+    };
     ($store:ty, $conn:ty, $sql:ty, $error:path) => {
         $crate::impl_outbox_store!(
             $store,
@@ -22,6 +56,35 @@ macro_rules! impl_outbox_store {
         );
     };
     ($store:ty, $conn:ty, $sql:ty, $error:path, $query:path, $query_as:path) => {
+        $crate::impl_outbox_store!(
+            @impl $store,
+            $conn,
+            $sql,
+            $error,
+            $query,
+            $query_as,
+            (statement)
+        );
+    };
+    // The claim's rows: one statement, `CLAIM_DUE`.
+    (@claim (statement), $sql:ty, $error:path, $query_as:path,
+        $conn:ident, $relay:ident, $now:ident, $until:ident, $limit:ident) => {
+        $query_as(<$sql>::CLAIM_DUE)
+            .bind($relay)
+            .bind($now.as_millis())
+            .bind($until.as_millis())
+            .bind(i64::from($limit))
+            .fetch_all($conn)
+            .await
+            .map_err($error)?
+    };
+    // The claim's rows: the dialect's hook.
+    (@claim (hook $claim:path), $sql:ty, $error:path, $query_as:path,
+        $conn:ident, $relay:ident, $now:ident, $until:ident, $limit:ident) => {
+        $claim($conn, $relay, $now, $until, $limit).await?
+    };
+    (@impl $store:ty, $conn:ty, $sql:ty, $error:path, $query:path, $query_as:path,
+        $claim:tt) => {
         impl $crate::__private::outbox::OutboxStore for $store {
             async fn enqueue(
                 conn: &mut $conn,
@@ -48,14 +111,9 @@ macro_rules! impl_outbox_store {
                 limit: u32,
             ) -> Result<Vec<$crate::__private::outbox::Message>, $crate::__private::StoreError>
             {
-                let rows: Vec<$crate::MessageRow> = $query_as(<$sql>::CLAIM_DUE)
-                    .bind(relay)
-                    .bind(now.as_millis())
-                    .bind(until.as_millis())
-                    .bind(i64::from(limit))
-                    .fetch_all(conn)
-                    .await
-                    .map_err($error)?;
+                let rows: Vec<$crate::MessageRow> = $crate::impl_outbox_store!(
+                    @claim $claim, $sql, $error, $query_as, conn, relay, now, until, limit
+                );
                 let mut claimed = rows
                     .into_iter()
                     .map($crate::__private::outbox::Message::try_from)
@@ -72,9 +130,9 @@ macro_rules! impl_outbox_store {
                 now: $crate::__private::Timestamp,
             ) -> Result<bool, $crate::__private::StoreError> {
                 let done = $query(<$sql>::MARK_SENT)
+                    .bind(now.as_millis())
                     .bind(id)
                     .bind(relay)
-                    .bind(now.as_millis())
                     .execute(conn)
                     .await
                     .map_err($error)?;
@@ -89,11 +147,13 @@ macro_rules! impl_outbox_store {
                 next_attempt_at: Option<$crate::__private::Timestamp>,
                 failure: &str,
             ) -> Result<bool, $crate::__private::StoreError> {
+                let next = next_attempt_at.map($crate::__private::Timestamp::as_millis);
                 let done = $query(<$sql>::MARK_FAILED)
+                    .bind(next)
+                    .bind(next)
+                    .bind(failure)
                     .bind(id)
                     .bind(relay)
-                    .bind(next_attempt_at.map($crate::__private::Timestamp::as_millis))
-                    .bind(failure)
                     .execute(conn)
                     .await
                     .map_err($error)?;
@@ -139,8 +199,8 @@ macro_rules! impl_outbox_store {
                 now: $crate::__private::Timestamp,
             ) -> Result<bool, $crate::__private::StoreError> {
                 let done = $query(<$sql>::REQUEUE)
-                    .bind(id)
                     .bind(now.as_millis())
+                    .bind(id)
                     .execute(conn)
                     .await
                     .map_err($error)?;
