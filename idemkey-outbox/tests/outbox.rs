@@ -1,6 +1,6 @@
 //! The outbox on every store: messages commit with the effect, the relay delivers each at
 //! least once with a stable id and bytes, backs off, gives up into `dead`, keeps a group's
-//! order; several relays on one PostgreSQL never deliver one message twice at once; a lossy
+//! order; several relays on one PostgreSQL or MariaDB never deliver one message twice at once; a lossy
 //! webhook receiver behind idemkey's own layer records each message exactly once.
 
 mod support;
@@ -17,8 +17,9 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use idemkey_core::outbox::{Message, MessageState, OutboxStore};
+use idemkey_core::outbox::{Message, MessageFilter, MessageState, OutboxAuditEntry, OutboxStore};
 use idemkey_core::{Clock, KeyHasher, Sleep, Timestamp};
+use idemkey_mysql::MySqlStore;
 use idemkey_outbox::{
     Backoff, DeliveryError, Outgoing, Relay, RelayConfig, Sink, WebhookSink, enqueue, enqueue_on,
     envelope,
@@ -251,6 +252,88 @@ async fn a_group_is_delivered_in_order<S: Fresh>() {
     assert_eq!(sink.ids(), [&*ids[0], &ids[0], &ids[1], &ids[2]]);
 }
 
+/// What an operator sees and does: counts of pending and dead messages, messages by state,
+/// the purge of sent ones (only those sent before its time, at most a batch), the audit
+/// trail, and the removal of a dead message (only a dead one).
+async fn stats_purge_and_audit<S: Fresh>() {
+    let (store, _guard) = S::fresh().await;
+    let ids = enqueue_many(&store, "thing.happened", 4).await;
+    let mut conn = store.acquire().await.unwrap();
+    let stats = store.outbox_stats(&mut conn).await.unwrap();
+    let oldest = all_messages(&store).await.last().unwrap().created_at;
+    assert_eq!((stats.pending, stats.dead), (4, 0));
+    assert_eq!(stats.oldest_pending, Some(oldest));
+    let now = Timestamp::now();
+    let claimed = store
+        .claim_due(&mut conn, "r1", now, now.plus(Duration::from_secs(60)), 10)
+        .await
+        .unwrap();
+    let claimed: Vec<_> = claimed.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(claimed, ids.iter().map(String::as_str).collect::<Vec<_>>());
+    for id in &ids[..2] {
+        assert!(store.mark_sent(&mut conn, id, "r1", now).await.unwrap());
+    }
+    assert!(
+        store
+            .mark_failed(&mut conn, &ids[2], "r1", None, "gone")
+            .await
+            .unwrap()
+    );
+    let later = now.plus(Duration::from_secs(5));
+    assert!(
+        store
+            .mark_failed(&mut conn, &ids[3], "r1", Some(later), "busy")
+            .await
+            .unwrap()
+    );
+    let again = store.message(&mut conn, &ids[3]).await.unwrap().unwrap();
+    assert_eq!(again.state, MessageState::Pending);
+    assert_eq!((again.next_attempt_at, again.claimed_by), (later, None));
+    let stats = store.outbox_stats(&mut conn).await.unwrap();
+    assert_eq!((stats.pending, stats.dead), (1, 1));
+    let in_state = |state| MessageFilter {
+        state: Some(state),
+        limit: 0,
+    };
+    let sent = store
+        .messages(&mut conn, &in_state(MessageState::Sent))
+        .await
+        .unwrap();
+    let sent: Vec<_> = sent.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(sent, [&*ids[1], &ids[0]], "newest first");
+    let dead = store
+        .messages(&mut conn, &in_state(MessageState::Dead))
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].last_error.as_deref(), Some("gone"));
+
+    assert_eq!(store.purge_sent(&mut conn, now, 10).await.unwrap(), 0);
+    let after = now.plus(Duration::from_millis(1));
+    assert_eq!(store.purge_sent(&mut conn, after, 1).await.unwrap(), 1);
+    assert_eq!(store.purge_sent(&mut conn, after, 10).await.unwrap(), 1);
+    assert!(store.message(&mut conn, &ids[0]).await.unwrap().is_none());
+
+    let entry = OutboxAuditEntry {
+        message_id: ids[2].clone(),
+        at: now,
+        actor: "operator:ann".into(),
+        action: "dropped".into(),
+        detail: "a note".into(),
+    };
+    store.append_outbox_audit(&mut conn, &entry).await.unwrap();
+    assert_eq!(
+        store.outbox_audit(&mut conn, &ids[2]).await.unwrap(),
+        [entry]
+    );
+    assert!(
+        !store.remove_dead(&mut conn, &ids[3]).await.unwrap(),
+        "pending"
+    );
+    assert!(store.remove_dead(&mut conn, &ids[2]).await.unwrap());
+    assert!(store.message(&mut conn, &ids[2]).await.unwrap().is_none());
+}
+
 /// `relays` relays deliver `n` messages: each at least once, none twice at the same time.
 async fn relays_share_the_work<S: Fresh>(relays: usize, n: usize) {
     let (store, _guard) = S::fresh().await;
@@ -436,6 +519,11 @@ macro_rules! on_every_store {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $name() { super::$name::<PgStore>($($($arg),*)?).await })*
         }
+        mod mysql {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() { super::$name::<MySqlStore>($($($arg),*)?).await })*
+        }
     };
 }
 
@@ -443,6 +531,7 @@ on_every_store!(
     messages_commit_with_the_effect_or_not_at_all,
     failures_back_off_then_die,
     a_group_is_delivered_in_order,
+    stats_purge_and_audit,
     lossy_receiver_records_each_message_once,
 );
 
@@ -459,4 +548,9 @@ async fn one_relay_on_rusqlite_delivers_every_message() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_relays_on_one_postgres_deliver_1000_messages_never_twice_at_once() {
     relays_share_the_work::<PgStore>(3, 1000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_relays_on_one_mariadb_deliver_1000_messages_never_twice_at_once() {
+    relays_share_the_work::<MySqlStore>(3, 1000).await;
 }

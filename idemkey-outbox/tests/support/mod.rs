@@ -8,10 +8,13 @@ pub(crate) mod nats;
 
 use futures::future::BoxFuture;
 use idemkey_core::BoxError;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idemkey_core::Store;
 use idemkey_core::outbox::{Message, MessageFilter, OutboxStore};
+use idemkey_mysql::MySqlStore;
 use idemkey_outbox::Round;
 use idemkey_outbox::{Outgoing, enqueue_on};
 use idemkey_postgres::PgStore;
@@ -121,6 +124,61 @@ impl Fresh for PgStore {
             .await
             .unwrap()
     }
+}
+
+impl Fresh for MySqlStore {
+    async fn fresh() -> (Self, Option<TempDir>) {
+        (fresh_mysql().await.0, None)
+    }
+    fn insert_effect(
+        conn: &mut sqlx::MySqlConnection,
+        label: String,
+    ) -> BoxFuture<'_, Result<(), BoxError>> {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO effects (label) VALUES (?)")
+                .bind(label)
+                .execute(conn)
+                .await
+                .map(|_| ())
+                .map_err(BoxError::from)
+        })
+    }
+    async fn effects(&self, label: &str) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE label = ?")
+            .bind(label)
+            .fetch_one(self.pool())
+            .await
+            .unwrap()
+    }
+}
+
+/// The MariaDB server of this test binary, started by the first test that needs it.
+fn mariadb() -> &'static idemkey_testkit::MariaDb {
+    static SERVER: OnceLock<idemkey_testkit::MariaDb> = OnceLock::new();
+    SERVER.get_or_init(idemkey_testkit::MariaDb::start)
+}
+
+/// A fresh, migrated database on this binary's MariaDB server with an `effects` table, and
+/// its URL.
+pub(crate) async fn fresh_mysql() -> (MySqlStore, String) {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let url = tokio::task::spawn_blocking(|| {
+        let server = mariadb();
+        let name = format!("outbox{}", NEXT.fetch_add(1, Ordering::Relaxed));
+        server.query(&format!("CREATE DATABASE {name}")).unwrap();
+        let base = server.url();
+        let (server_url, _) = base.rsplit_once('/').unwrap();
+        format!("{server_url}/{name}")
+    })
+    .await
+    .unwrap();
+    let store = MySqlStore::connect(&url, 24).await.unwrap();
+    store.migrate().await.unwrap();
+    sqlx::query("CREATE TABLE effects (label VARCHAR(255) NOT NULL) ENGINE = InnoDB")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    (store, url)
 }
 
 /// A fresh, migrated PostgreSQL database with an `effects` table, and its URL.
