@@ -12,6 +12,8 @@ use sqlx::mysql::MySqlDatabaseError;
 pub(crate) const DUPLICATE_KEY: u16 = 1062;
 /// ER_LOCK_DEADLOCK: InnoDB broke a deadlock by rolling back this WHOLE transaction.
 pub(crate) const DEADLOCK: u16 = 1213;
+/// ER_UNKNOWN_SYSTEM_VARIABLE: a `SET` of a variable the server does not have.
+pub(crate) const UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
 /// ER_LOCK_WAIT_TIMEOUT: a lock was not granted within `innodb_lock_wait_timeout`; only
 /// the statement was rolled back.
 pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;

@@ -8,7 +8,24 @@ use sqlx::Executor;
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 
-use crate::codes::error;
+use crate::codes::{UNKNOWN_SYSTEM_VARIABLE, error, number};
+
+/// Galera's causality checks for the session: reads (and `BEGIN`), updates and deletes,
+/// inserts and replaces wait until the node has applied every write the cluster ordered
+/// before them.
+const SYNC_WAIT: &str = "SET SESSION wsrep_sync_wait = 7";
+
+/// Makes the session's statements causal on a Galera node ([`SYNC_WAIT`]). Without the
+/// checks a node answers from what it has applied so far: a claim there would not see a
+/// record another node has committed, and a lost race would read no winner. MariaDB knows
+/// the variable whether or not it runs in a cluster (out of one, it does nothing); MySQL
+/// without Galera does not (error 1193), and then there is nothing to make causal.
+async fn causal_reads(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+    match conn.execute(SYNC_WAIT).await {
+        Err(e) if number(&e) == Some(UNKNOWN_SYSTEM_VARIABLE) => Ok(()),
+        done => done.map(drop),
+    }
+}
 
 /// An idempotency store in a MySQL 8 or MariaDB (10.6 and later) database, on InnoDB.
 ///
@@ -37,6 +54,7 @@ impl MySqlStore {
     /// should be in strict mode (`STRICT_TRANS_TABLES` or `STRICT_ALL_TABLES`, the default
     /// of MySQL 8 and MariaDB 10.2.4 and later), as [`connect`](Self::connect)'s are: a
     /// server that is not would store a value that does not fit cut to fit, with a warning.
+    /// On a Galera cluster they should also set `wsrep_sync_wait = 7`, as `connect`'s do.
     pub fn new(pool: MySqlPool) -> Self {
         Self {
             pool,
@@ -47,7 +65,10 @@ impl MySqlStore {
     /// Connects to `url` (`mysql://user:password@host:port/database`, MariaDB too) with a
     /// pool of `max_connections`. Each connection is put in strict mode
     /// (`STRICT_ALL_TABLES` added to the server's `sql_mode`), so a value that does not fit
-    /// a column is an error, never cut to fit; the store's transactions wait
+    /// a column is an error, never cut to fit, and causal on a Galera node
+    /// (`wsrep_sync_wait = 7`: a statement first waits until the node has applied what the
+    /// cluster committed before it; MySQL without Galera lacks the variable and is left
+    /// alone); the store's transactions wait
     /// [`DEFAULT_LOCK_WAIT`](Self::DEFAULT_LOCK_WAIT) for a lock.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
         let options = MySqlConnectOptions::from_str(url).map_err(error)?;
@@ -58,7 +79,7 @@ impl MySqlStore {
                 Box::pin(async move {
                     conn.execute("SET SESSION sql_mode = CONCAT(@@sql_mode, ',STRICT_ALL_TABLES')")
                         .await?;
-                    Ok(())
+                    causal_reads(conn).await
                 })
             })
             .connect_with(options)

@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use idemkey_core::{
-    Begun, Inserted, Members, NewRecord, Record, RecordId, Store, StoreError, StoredResponse,
-    Timestamp,
+    Begun, CommitError, Inserted, Members, NewRecord, Record, RecordId, Store, StoreError,
+    StoredResponse, Timestamp,
 };
 use idemkey_sqlx::RecordRow;
 use sqlx::mysql::{MySqlArguments, MySqlConnection, MySqlRow};
@@ -160,6 +160,32 @@ impl Store for MySqlStore {
         );
         conn.execute(AssertSqlSafe(set)).await.map_err(error)?;
         Ok(())
+    }
+
+    /// The outcome stored and committed. On Galera another node's transaction that took the
+    /// key first fails this one at `COMMIT` (certification) or at any statement before it
+    /// (a replicated write aborting it), with error 1213: the server rolled the WHOLE
+    /// transaction back, effect and claim, so nothing was committed
+    /// ([`CommitError::NotCommitted`] with [`StoreError::Busy`], a lost race: read the record
+    /// again). Only a commit whose answer never came is [`CommitError::Unknown`].
+    async fn complete_and_commit(
+        &self,
+        mut tx: Self::Transaction,
+        id: &RecordId,
+        token: i64,
+        response: &StoredResponse,
+        now: Timestamp,
+    ) -> Result<(), CommitError> {
+        match self.complete(&mut tx, id, token, response, now).await {
+            Ok(true) => {}
+            Ok(false) => return Err(CommitError::Fenced),
+            Err(e) => return Err(CommitError::NotCommitted(e)),
+        }
+        match tx.commit().await {
+            Ok(()) => Ok(()),
+            Err(e) if number(&e) == Some(DEADLOCK) => Err(CommitError::NotCommitted(error(e))),
+            Err(e) => Err(CommitError::Unknown(error(e))),
+        }
     }
 
     async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {
