@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use futures::FutureExt;
 use http::Request;
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
-use idemkey_core::{AfterEffect, CommitError, Store, local_after_effect};
+use idemkey_core::{AfterEffect, CommitError, Store, StoreError, local_after_effect};
 use tokio::sync::Mutex;
 use tower_service::Service;
 
@@ -44,6 +44,27 @@ impl<S: Store, M: Mode> Keyed<S, M> {
             }));
         }
         self.found(protocol::probe(&self.layer.store, claim)).await
+    }
+}
+
+impl<S: Store, M: Mode> Keyed<S, M> {
+    /// The record another attempt committed for the key while this attempt's transaction
+    /// failed or rolled back, as this attempt's retry would find it. Where the claim's row
+    /// lock keeps every other attempt out until this one ends (PostgreSQL, SQLite, a single
+    /// MySQL server) there is none; on a Galera cluster two nodes' attempts of one key run at
+    /// once and certification commits one: the loser's transaction fails (error 1213 at
+    /// `COMMIT`, or at a statement of the handler's before it), and it answers with the
+    /// winner's record instead of its own failure. `None` also when the read fails: the
+    /// attempt's own answer stands.
+    async fn committed_by_another(&self, claim: &Claim) -> Option<ClaimOutcome> {
+        let read = protocol::lookup(
+            &self.layer.store,
+            &claim.id,
+            &claim.fingerprint,
+            claim.first_sent,
+            claim.now,
+        );
+        read.await.ok().flatten()
     }
 }
 
@@ -119,6 +140,11 @@ where
         (AfterEffect::Complete, Some(tx)) => tx,
         (_, tx) => {
             drop(tx);
+            if response.status().is_server_error()
+                && let Some(outcome) = keyed.committed_by_another(&claim).await
+            {
+                return keyed.answer_existing(outcome, &claim.id, &claim.fingerprint);
+            }
             return keyed.finish(Outcome::NotStored, response);
         }
     };
@@ -143,6 +169,14 @@ where
         .await;
     if let Err(e) = done {
         let answer = match e {
+            CommitError::NotCommitted(e @ StoreError::Busy(_)) => {
+                match keyed.committed_by_another(&claim).await {
+                    Some(outcome) => {
+                        return keyed.answer_existing(outcome, &claim.id, &claim.fingerprint);
+                    }
+                    None => store_unavailable(&e),
+                }
+            }
             CommitError::NotCommitted(e) => {
                 tracing::error!(error = %e, "storing the response failed");
                 store_unavailable(&e)
