@@ -92,6 +92,9 @@ async fn claim_due(
     }
 }
 
+/// The claim's transaction: committed when every step succeeded, otherwise rolled back at
+/// once, so that no row it locked stays locked until the connection's next statement (a
+/// 1213 has rolled it back already; another error may have ended only its statement).
 async fn claim(
     conn: &mut MySqlConnection,
     relay: &str,
@@ -100,6 +103,27 @@ async fn claim(
     limit: u32,
 ) -> Result<Vec<MessageRow>, sqlx::Error> {
     let mut tx = conn.begin().await?;
+    match claim_on(&mut tx, relay, now, until, limit).await {
+        Ok(rows) => {
+            tx.commit().await?;
+            Ok(rows)
+        }
+        Err(e) => {
+            // The claim's own error says what went wrong; a rollback that fails too means
+            // the session is gone, and its transaction with it.
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}
+
+async fn claim_on(
+    tx: &mut MySqlConnection,
+    relay: &str,
+    now: Timestamp,
+    until: Timestamp,
+    limit: u32,
+) -> Result<Vec<MessageRow>, sqlx::Error> {
     let due: Vec<i64> = sqlx::query_scalar(Sql::DUE)
         .bind(now.as_millis())
         .bind(now.as_millis())
@@ -107,7 +131,6 @@ async fn claim(
         .fetch_all(&mut *tx)
         .await?;
     if due.is_empty() {
-        tx.commit().await?;
         return Ok(Vec::new());
     }
     // As many placeholders as seqs: the text depends on their count only, never on a value.
@@ -121,9 +144,7 @@ async fn claim(
         claimed = claimed.bind(*seq);
     }
     update.execute(&mut *tx).await?;
-    let rows = claimed.fetch_all(&mut *tx).await?;
-    tx.commit().await?;
-    Ok(rows)
+    claimed.fetch_all(&mut *tx).await
 }
 
 idemkey_sqlx::impl_outbox_store!(MySqlStore, MySqlConnection, Sql, error, claim = claim_due);

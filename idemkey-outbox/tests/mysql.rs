@@ -1,5 +1,6 @@
-//! The outbox's claim on MariaDB, raced: relays on pools of their own claim from one table
-//! at once, and no message is claimed by two of them while a claim holds.
+//! The outbox's claim on MariaDB: relays on pools of their own race for one table and no
+//! message is claimed by two of them while a claim holds; a claim that loses with 1213 is an
+//! empty round.
 
 mod support;
 
@@ -7,9 +8,10 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemkey_core::outbox::{MessageState, OutboxStore};
+use idemkey_core::outbox::{Message, MessageState, OutboxStore};
 use idemkey_core::{Store, Timestamp};
 use idemkey_mysql::MySqlStore;
+use idemkey_outbox::{DeliveryError, Relay, RelayConfig, Sink};
 use tokio::sync::Barrier;
 
 use support::{all_messages, enqueue_many, fresh_mysql};
@@ -85,4 +87,62 @@ async fn two_relays_on_their_own_pools_claim_each_message_once_per_lease() {
     let messages = all_messages(&first).await;
     assert!(messages.iter().all(|m| m.state == MessageState::Sent));
     assert!(messages.iter().all(|m| m.attempts == 1));
+}
+
+/// A claim that fails with 1213 (InnoDB's deadlock victim; on Galera, the claim of a relay
+/// whose rows another node's relay claimed and committed first) claimed nothing: the round is
+/// empty, not an error, and the message stays for the next claim. The error is raised here by
+/// a trigger on the claim's `UPDATE`, with the number the server gives both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_claim_that_loses_with_1213_claims_nothing_that_round() {
+    let (store, _url) = fresh_mysql().await;
+    let ids = enqueue_many(&store, "thing.happened", 1).await;
+    sqlx::raw_sql(
+        "CREATE TRIGGER lose BEFORE UPDATE ON idemkey_outbox FOR EACH ROW \
+         IF NEW.claimed_by = 'loser' THEN \
+         SIGNAL SQLSTATE '40001' SET MYSQL_ERRNO = 1213, MESSAGE_TEXT = 'certification failed'; \
+         ELSEIF NEW.claimed_by = 'broken' THEN \
+         SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'something else'; \
+         END IF",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let relay = |name: &str| {
+        Relay::new(store.clone(), Arc::new(Collect::default())).config(RelayConfig {
+            name: name.to_owned(),
+            ..RelayConfig::default()
+        })
+    };
+    let round = relay("loser").run_once().await.unwrap();
+    assert_eq!(round.claimed, 0);
+    let mut conn = store.acquire().await.unwrap();
+    let left = store.message(&mut conn, &ids[0]).await.unwrap().unwrap();
+    assert_eq!((left.claimed_by, left.attempts), (None, 0), "rolled back");
+
+    let now = Timestamp::now();
+    let other = store
+        .claim_due(
+            &mut conn,
+            "broken",
+            now,
+            now.plus(Duration::from_secs(60)),
+            1,
+        )
+        .await;
+    assert!(other.is_err(), "any other error stays one: {other:?}");
+
+    let winner = relay("winner");
+    assert_eq!(winner.run_once().await.unwrap().sent, 1, "the next claim");
+}
+
+/// A sink that takes every message.
+#[derive(Default)]
+struct Collect(std::sync::Mutex<Vec<String>>);
+
+impl Sink for Collect {
+    async fn deliver(&self, message: &Message) -> Result<(), DeliveryError> {
+        self.0.lock().unwrap().push(message.id.clone());
+        Ok(())
+    }
 }
