@@ -56,7 +56,7 @@ pub use self::first_sent::{
     REPEATABILITY_RESULT_HEADER, http_date,
 };
 pub use self::key::{HEADER_NAME, IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse};
+pub use self::record::{AuditEntry, NewRecord, Record, RecordState, StoredResponse, fresh_token};
 pub use self::redact::{CREDENTIAL_PARAMETERS, redact_url};
 pub use self::scope::{KeyHasher, RecordId, Scope};
 pub use self::store::{

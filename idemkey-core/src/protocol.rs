@@ -18,6 +18,7 @@ use std::time::Duration;
 use crate::{
     AuditEntry, Begun, Clock, Decision, Fingerprint, Inserted, Mismatch, NewRecord, Record,
     RecordId, RecordState, Store, StoreAdmin, StoreError, StoredResponse, Timestamp, decide,
+    fresh_token,
 };
 
 /// How many times the claim inserts again after the record it lost to vanished (released,
@@ -198,7 +199,7 @@ async fn reserve_as<S: Store>(
     let first = match store.insert_autocommit(&record).await {
         Ok(Inserted::Owned) => {
             return Ok(ClaimOutcome::Owned {
-                token: 1,
+                token: record.token,
                 expires_at: record.expires_at,
             });
         }
@@ -215,6 +216,7 @@ fn new_record(claim: &Claim, state: RecordState, lease: Option<Timestamp>) -> Ne
         id: claim.id.clone(),
         fingerprint: claim.fingerprint.clone(),
         state,
+        token: fresh_token(),
         lease_expires_at: lease,
         now: claim.now,
         expires_at: claim.now.plus(claim.retention),
@@ -244,7 +246,7 @@ async fn claim_after<S: Store>(
             None => store.insert(conn, record).await,
         };
         let existing = match inserted {
-            Ok(Inserted::Owned) => return Ok(owned(1)),
+            Ok(Inserted::Owned) => return Ok(owned(record.token)),
             Ok(Inserted::Existing(existing)) => Some(*existing),
             // Lost to a record the insert could not see (committed while it waited on it):
             // read what the owner left.

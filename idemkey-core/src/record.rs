@@ -149,6 +149,9 @@ pub struct NewRecord {
     pub fingerprint: Fingerprint,
     /// `Executing` in local mode, `Reserved` in external mode.
     pub state: RecordState,
+    /// The fencing token the claim starts with: [`fresh_token`], so that it is one no
+    /// earlier claim of this identity held.
+    pub token: i64,
     /// The lease, in external mode.
     pub lease_expires_at: Option<Timestamp>,
     /// The time of the claim.
@@ -159,6 +162,30 @@ pub struct NewRecord {
     pub sealed_key: Option<Vec<u8>>,
     /// The first attempt's time the claiming request stated (see [`Record::first_sent`]).
     pub first_sent: Option<Timestamp>,
+}
+
+/// A fencing token for a new claim: a random integer from 0 to 2^62 - 1, drawn afresh on
+/// every call.
+///
+/// A key may be claimed anew once its record is gone (released, resolved as released,
+/// evicted, purged), while an owner of the earlier claim may still be about to write with
+/// its token. The token of that stale owner is the earlier claim's start plus the few raises
+/// of its takeovers and resolutions, so it equals the new claim's token only by chance, with
+/// a probability of about 2^-60: its write matches no row and changes nothing. Starting
+/// every claim at the same value would let it match. Below 2^62 leaves room for the raises
+/// (`token + 1`) without overflow.
+///
+/// The randomness is the standard library's, no dependency of its own: every
+/// [`RandomState::new`] keys SipHash with the thread's random keys, the first of them
+/// raised by one on every call, and the hash of nothing under those keys is 64 bits no one
+/// without the keys can predict.
+///
+/// [`RandomState::new`]: std::hash::RandomState::new
+pub fn fresh_token() -> i64 {
+    use std::hash::{BuildHasher, Hasher};
+    let bits = std::hash::RandomState::new().build_hasher().finish();
+    // Two bits shifted out: the rest fits an i64 and is never negative.
+    (bits >> 2) as i64
 }
 
 /// One entry of a record's audit trail: who resolved an operation, when, and how.
@@ -181,6 +208,16 @@ pub struct AuditEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fresh_tokens_are_below_2_62_not_negative_and_differ() {
+        let tokens: std::collections::HashSet<i64> = (0..1000).map(|_| fresh_token()).collect();
+        assert_eq!(tokens.len(), 1000, "each draw is fresh");
+        assert!(
+            tokens.iter().all(|t| (0..1 << 62).contains(t)),
+            "{tokens:?}"
+        );
+    }
 
     #[test]
     fn headers_round_trip() {

@@ -48,7 +48,8 @@ pub enum StoreError {
 /// What the claim's insert ([`Store::insert`]) found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Inserted {
-    /// The row was inserted: the caller owns the key, with token 1.
+    /// The row was inserted: the caller owns the key, with the token of the record it
+    /// inserted ([`NewRecord::token`]).
     Owned,
     /// The identity was taken; this is its record as the insert saw it (committed before
     /// the statement began), read by the same statement where the dialect allows.

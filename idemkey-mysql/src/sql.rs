@@ -26,11 +26,11 @@ macro_rules! by_id {
 /// tenant too long, a NULL) into a warning and a row cut to fit, and not
 /// `ON DUPLICATE KEY UPDATE`, whose count of affected rows sqlx's `CLIENT_FOUND_ROWS`
 /// makes the same for "inserted" and "found". MySQL 8 has no `INSERT … RETURNING`.
-/// Parameters: the identity, then the record's values (`values` in `store.rs`).
+/// Parameters: the identity, the record's values (`values` in `store.rs`), then its token.
 pub(crate) const INSERT: &str = "INSERT INTO idemkey_records
         (tenant, key_hash, route, fingerprint, fingerprint_parts, state, lease_expires_at,
          created_at, updated_at, expires_at, sealed_key, fingerprint_members, first_sent, token)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)";
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
 
 /// A plain (consistent) read of one record: it never waits on a lock.
 pub(crate) const FETCH: &str = concat!(select_record!(), "WHERE ", by_id!());

@@ -68,7 +68,7 @@ fn lock_wait_seconds(wait: Duration) -> u64 {
 /// locking read ([`sql::FETCH_LOCKED`]). The count of affected rows and the error number
 /// say who won, never a warning (`sql::INSERT`).
 async fn insert(conn: &mut MySqlConnection, r: &NewRecord) -> Result<Inserted, StoreError> {
-    let insert = values(with_id(sqlx::query(sql::INSERT), &r.id), r);
+    let insert = values(with_id(sqlx::query(sql::INSERT), &r.id), r).bind(r.token);
     match insert.execute(&mut *conn).await {
         Ok(done) if done.rows_affected() == 1 => return Ok(Inserted::Owned),
         Ok(_) => {}

@@ -12,19 +12,19 @@ use crate::PgStore;
 use crate::literal::{self, Args, Columns, Sql};
 use crate::sqlstate::is_connection_lost;
 use crate::statements::{
-    DUPLICATE_PREPARED, PREPARE_GROUP, UNDEFINED_PREPARED, bind_completion, bind_record, code,
+    DUPLICATE_PREPARED, PREPARE_GROUP, UNDEFINED_PREPARED, bind_completion, bind_new_record, code,
 };
 
-/// The grouped reservation: the prepared `idemkey_reserve_group_v1` (`PREPARE_GROUP` in
+/// The grouped reservation: the prepared `idemkey_reserve_group_v2` (`PREPARE_GROUP` in
 /// `statements.rs`) with its rows as literal arrays, a column each.
 pub(crate) fn reservation_rows(rows: &[&NewRecord]) -> Result<String, StoreError> {
     let execute = literal::query(
-        "EXECUTE idemkey_reserve_group_v1($1::text[], $2::bytea[], $3::text[], $4::bytea[],
+        "EXECUTE idemkey_reserve_group_v2($1::text[], $2::bytea[], $3::text[], $4::bytea[],
                  $5::bytea[], $6::text[], $7::bigint[], $8::bigint[], $9::bigint[],
-                 $10::bytea[], $11::bytea[], $12::bigint[])",
+                 $10::bytea[], $11::bytea[], $12::bigint[], $13::bigint[])",
     );
     let columns = rows.iter().fold(Columns::default(), |columns, r| {
-        bind_record(columns.row(), r)
+        bind_new_record(columns.row(), r)
     });
     columns
         .bind_to(execute)?

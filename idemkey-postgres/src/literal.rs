@@ -24,7 +24,7 @@ use idemkey_core::{NewRecord, RecordId, StoreError, StoredResponse, Timestamp};
 use sqlx::postgres::{PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Executor, FromRow, Postgres, Row};
 
-use crate::statements::{bind_completion, bind_record};
+use crate::statements::{bind_completion, bind_new_record};
 
 /// A statement being written, value by value.
 #[derive(Debug, Default)]
@@ -95,11 +95,11 @@ pub(crate) fn lock_wait(wait: Option<Duration>) -> String {
 }
 
 /// The claim's message: `start` (`BEGIN` and the transaction's lock wait), then `record`'s
-/// claim, the prepared `idemkey_claim_v2` (`PREPARE` in `statements.rs`), in the
+/// claim, the prepared `idemkey_claim_v3` (`PREPARE` in `statements.rs`), in the
 /// transaction it began.
 pub(crate) fn claim(mut start: Sql, record: &NewRecord) -> Result<String, StoreError> {
-    start.push("; EXECUTE idemkey_claim_v2(");
-    let mut sql = bind_record(Args::after(start), record).finish()?;
+    start.push("; EXECUTE idemkey_claim_v3(");
+    let mut sql = bind_new_record(Args::after(start), record).finish()?;
     sql.push(")");
     Ok(sql.finish())
 }

@@ -28,12 +28,12 @@ pub(crate) const DUPLICATE_PREPARED: &str = "42P05";
 /// `idemkey_expect_owned` (migration 0005): it fails, and so skips the `COMMIT` sent after it,
 /// unless it matched the owner's row.
 pub(crate) const PREPARE: &str = "\
-PREPARE idemkey_claim_v2 (text, bytea, text, bytea, bytea, text, bigint, bigint, bigint, bytea, \
-                          bytea, bigint) AS
+PREPARE idemkey_claim_v3 (text, bytea, text, bytea, bytea, text, bigint, bigint, bigint, bytea, \
+                          bytea, bigint, bigint) AS
     INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint, fingerprint_parts, state,
                                  token, lease_expires_at, created_at, updated_at, expires_at,
                                  sealed_key, fingerprint_members, first_sent)
-    VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11, $12);
+    VALUES ($1, $2, $3, $4, $5, $6, $13, $7, $8, $8, $9, $10, $11, $12);
 PREPARE idemkey_complete_v1 (text, bytea, text, bigint, integer, bytea, bytea, bigint) AS
     WITH done AS (
         UPDATE idemkey_records
@@ -51,16 +51,16 @@ PREPARE idemkey_complete_v1 (text, bytea, text, bigint, integer, bytea, bytea, b
 /// order; a completion is one row's (see `complete_group` in `group.rs`). Each returns the
 /// keys it wrote. Each answers without rows.
 pub(crate) const PREPARE_GROUP: [&str; 2] = [
-    "PREPARE idemkey_reserve_group_v1 (text[], bytea[], text[], bytea[], bytea[], text[], bigint[],
-                                  bigint[], bigint[], bytea[], bytea[], bigint[]) AS
+    "PREPARE idemkey_reserve_group_v2 (text[], bytea[], text[], bytea[], bytea[], text[], bigint[],
+                                  bigint[], bigint[], bytea[], bytea[], bigint[], bigint[]) AS
     INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint, fingerprint_parts, state,
                                  token, lease_expires_at, created_at, updated_at, expires_at,
                                  sealed_key, fingerprint_members, first_sent)
-    SELECT tenant, key_hash, route, fingerprint, parts, state, 1, lease, created, created,
+    SELECT tenant, key_hash, route, fingerprint, parts, state, token, lease, created, created,
            expires, sealed, members, first_sent
-      FROM unnest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+      FROM unnest($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
            WITH ORDINALITY AS r (tenant, key_hash, route, fingerprint, parts, state, lease,
-                                 created, expires, sealed, members, first_sent, n)
+                                 created, expires, sealed, members, first_sent, token, n)
      ORDER BY n
     ON CONFLICT (tenant, key_hash, route) DO NOTHING
     RETURNING tenant, key_hash, route",
@@ -91,7 +91,7 @@ pub(crate) fn set_lock_wait(sql: &mut Sql, wait: Duration) {
 }
 
 /// A new record's values, in the order every statement that writes one takes them (the
-/// claim's `INSERT`, the prepared `idemkey_claim_v2`, the replace, the grouped reservation):
+/// claim's `INSERT`, the prepared `idemkey_claim_v3`, the replace, the grouped reservation):
 /// tenant, key hash, route, fingerprint, its parts, state, lease, creation time, expiry,
 /// sealed key, fingerprint members, first sent.
 pub(crate) fn bind_record<B: Bind>(b: B, r: &NewRecord) -> B {
@@ -105,6 +105,13 @@ pub(crate) fn bind_record<B: Bind>(b: B, r: &NewRecord) -> B {
         .bind(r.sealed_key.as_deref())
         .bind(r.fingerprint.members.as_ref().map(Members::to_bytes))
         .bind(r.first_sent.map(Timestamp::as_millis))
+}
+
+/// A new record's values as the statements that insert one take them (the claim's `INSERT`,
+/// the prepared `idemkey_claim_v3`, the grouped reservation): [`bind_record`]'s, then the
+/// token the record starts at.
+pub(crate) fn bind_new_record<B: Bind>(b: B, r: &NewRecord) -> B {
+    bind_record(b, r).bind(r.token)
 }
 
 /// A completion's values, in the order every statement that stores one takes them (the

@@ -15,8 +15,8 @@ use crate::PgStore;
 use crate::listen::follow;
 use crate::literal::{self, Bind, Sql};
 use crate::statements::{
-    NOT_OWNED, PREPARE, UNDEFINED_PREPARED, UNIQUE_VIOLATION, bind_completion, bind_record, code,
-    set_lock_wait,
+    NOT_OWNED, PREPARE, UNDEFINED_PREPARED, UNIQUE_VIOLATION, bind_completion, bind_new_record,
+    bind_record, code, set_lock_wait,
 };
 use crate::transaction::{PgTransaction, abandon};
 
@@ -54,7 +54,7 @@ impl Store for PgStore {
     }
 
     /// One round trip for a fresh key: `BEGIN` and a plain `INSERT` of the record (the
-    /// prepared `idemkey_claim_v2`, see `PREPARE` in `statements.rs`) go in one message. A taken
+    /// prepared `idemkey_claim_v3`, see `PREPARE` in `statements.rs`) go in one message. A taken
     /// key fails that `INSERT` (unique violation); then the transaction begins again
     /// (`ROLLBACK; BEGIN`, one message) and [`insert`](Store::insert) claims the usual way,
     /// reading the record that took the key. Such a replay costs one message more than the
@@ -194,7 +194,7 @@ impl Store for PgStore {
                  INSERT INTO idemkey_records (tenant, key_hash, route, fingerprint,
                         fingerprint_parts, state, token, lease_expires_at, created_at,
                         updated_at, expires_at, sealed_key, fingerprint_members, first_sent)
-                 VALUES ($1, $2, $3, $4, $5, $6, 1, $7, $8, $8, $9, $10, $11, $12)
+                 VALUES ($1, $2, $3, $4, $5, $6, $13, $7, $8, $8, $9, $10, $11, $12)
                  ON CONFLICT (tenant, key_hash, route) DO NOTHING
                  RETURNING token
              )
@@ -204,7 +204,7 @@ impl Store for PgStore {
                  ON r.tenant = $1 AND r.key_hash = $2 AND r.route = $3
                 AND NOT EXISTS (SELECT 1 FROM ins)",
         );
-        let row = bind_record(insert, r)
+        let row = bind_new_record(insert, r)
             .fetch_one(conn)
             .await
             .map_err(error)?;

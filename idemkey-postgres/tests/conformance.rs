@@ -155,6 +155,7 @@ async fn claim_that_waited_on_the_owner_reads_the_record_after_it() {
                 id: claim.id.clone(),
                 fingerprint: claim.fingerprint.clone(),
                 state: RecordState::Executing,
+                token: idemkey_core::fresh_token(),
                 lease_expires_at: None,
                 now: claim.now,
                 expires_at: claim.now.plus(claim.retention),

@@ -100,6 +100,7 @@ async fn pay(store: &PgStore, keyed: bool) -> anyhow::Result<()> {
         },
         fingerprint: json_fp(REQUEST),
         state: RecordState::Executing,
+        token: idemkey_core::fresh_token(),
         lease_expires_at: None,
         now,
         expires_at: now.plus(Duration::from_secs(86_400)),

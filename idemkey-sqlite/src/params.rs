@@ -46,7 +46,7 @@ pub(crate) fn record(r: &NewRecord) -> [Value<'_>; 12] {
 }
 
 /// The fourteen columns a claim's `INSERT` writes, in the order it names them: the record's
-/// values with token 1, and `now` as both creation and update time. For the statements that
+/// values with its token, and `now` as both creation and update time. For the statements that
 /// write whole rows (a group's `INSERT`, the claim written as literals).
 pub(crate) fn inserted_row(r: &NewRecord) -> [Value<'_>; 14] {
     let [
@@ -70,7 +70,7 @@ pub(crate) fn inserted_row(r: &NewRecord) -> [Value<'_>; 14] {
         fp,
         parts,
         state,
-        Value::Int(1),
+        Value::Int(r.token),
         lease,
         now.clone(),
         now,
@@ -79,6 +79,12 @@ pub(crate) fn inserted_row(r: &NewRecord) -> [Value<'_>; 14] {
         members,
         first,
     ]
+}
+
+/// `INSERT`'s values: the record's, then the token it starts at (`?13`).
+pub(crate) fn insert(r: &NewRecord) -> [Value<'_>; 13] {
+    let [a, b, c, d, e, f, g, h, i, j, k, l] = record(r);
+    [a, b, c, d, e, f, g, h, i, j, k, l, Value::Int(r.token)]
 }
 
 /// `REPLACE`'s values: the record's, then the token it must still carry (`?13`).

@@ -1,12 +1,13 @@
 //! The SQL of the SQLite stores, one statement per `Store` method: `SqliteStore` runs it
 //! through sqlx, `RusqliteStore` through rusqlite, with the same `?N` parameters, built once
-//! (`params.rs`). A record's values are `?1`–`?12` of both `INSERT` and `REPLACE`.
+//! (`params.rs`). A record's values are `?1`–`?12` of both `INSERT` and `REPLACE`; `?13` is
+//! the token the `INSERT` starts the record at, and the token `REPLACE` finds.
 
 pub(crate) const INSERT: &str = "INSERT INTO idemkey_records
                  (tenant, key_hash, route, fingerprint, fingerprint_parts, state, token,
                   lease_expires_at, created_at, updated_at, expires_at, sealed_key,
                   fingerprint_members, first_sent)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1, ?7, ?8, ?8, ?9, ?10, ?11, ?12)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?13, ?7, ?8, ?8, ?9, ?10, ?11, ?12)
              ON CONFLICT (tenant, key_hash, route) DO NOTHING
              RETURNING token";
 

@@ -13,7 +13,7 @@ use crate::sql;
 
 /// The claim's `INSERT … ON CONFLICT DO NOTHING RETURNING token`: whether it inserted.
 pub(crate) async fn insert_row(conn: &mut impl Driver, r: &NewRecord) -> Result<bool, StoreError> {
-    let row: Option<(i64,)> = conn.fetch_optional(sql::INSERT, params::record(r)).await?;
+    let row: Option<(i64,)> = conn.fetch_optional(sql::INSERT, params::insert(r)).await?;
     Ok(row.is_some())
 }
 

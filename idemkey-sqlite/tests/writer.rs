@@ -298,6 +298,7 @@ async fn a_group_of_reservations_answers_each_writer() {
             id: claim.id,
             fingerprint: claim.fingerprint,
             state: RecordState::Executing,
+            token: idemkey_core::fresh_token(),
             lease_expires_at: Some(claim.now.plus(Duration::from_secs(30))),
             now: claim.now,
             expires_at: claim.now.plus(claim.retention),

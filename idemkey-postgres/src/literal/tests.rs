@@ -178,6 +178,7 @@ fn record(key: &str, sealed: Option<&[u8]>) -> NewRecord {
         id: claim.id,
         fingerprint: claim.fingerprint,
         state: RecordState::Executing,
+        token: 7,
         lease_expires_at: Some(now.plus(Duration::from_secs(30))),
         now,
         expires_at: now.plus(Duration::from_secs(3600)),
@@ -188,8 +189,8 @@ fn record(key: &str, sealed: Option<&[u8]>) -> NewRecord {
 
 /// `r`'s values as a statement's parameters, one literal each.
 fn record_values(r: &NewRecord) -> Vec<String> {
-    let each = "$1\n$2\n$3\n$4\n$5\n$6\n$7\n$8\n$9\n$10\n$11\n$12";
-    let text = bind_record(query(each), r).text().expect("text");
+    let each = "$1\n$2\n$3\n$4\n$5\n$6\n$7\n$8\n$9\n$10\n$11\n$12\n$13";
+    let text = bind_new_record(query(each), r).text().expect("text");
     text.split('\n').map(str::to_owned).collect()
 }
 
@@ -198,20 +199,21 @@ fn a_record_is_written_alike_as_parameters_arguments_and_columns() {
     let a = record("k1", Some(b"sealed"));
     let b = record("k2", None);
     let (a_values, b_values) = (record_values(&a), record_values(&b));
-    assert_eq!(a_values.len(), 12);
+    assert_eq!(a_values.len(), 13);
+    assert_eq!(a_values[12], "7", "the token the record starts at");
     assert_eq!(b_values[9], "NULL", "no sealed key");
 
     let claim = claim(Sql::new("BEGIN"), &a).expect("claim");
     let arguments = a_values.join(", ");
     assert_eq!(
         claim,
-        format!("BEGIN; EXECUTE idemkey_claim_v2({arguments})")
+        format!("BEGIN; EXECUTE idemkey_claim_v3({arguments})")
     );
 
     let columns = [&a, &b].into_iter().fold(Columns::default(), |columns, r| {
-        bind_record(columns.row(), r)
+        bind_new_record(columns.row(), r)
     });
-    let each = "$1\n$2\n$3\n$4\n$5\n$6\n$7\n$8\n$9\n$10\n$11\n$12";
+    let each = "$1\n$2\n$3\n$4\n$5\n$6\n$7\n$8\n$9\n$10\n$11\n$12\n$13";
     let sent = columns.bind_to(query(each)).expect("columns").text();
     let expected: Vec<String> = (a_values.iter().zip(&b_values))
         .map(|(a, b)| format!("ARRAY[{a}, {b}]"))
@@ -235,6 +237,6 @@ fn a_value_postgres_refuses_fails_the_claim_and_the_columns() {
     let mut r = record("k1", None);
     r.id.route = "/v1/\0".to_owned();
     assert!(claim(Sql::new("BEGIN"), &r).is_err());
-    let columns = bind_record(Columns::default().row(), &r);
+    let columns = bind_new_record(Columns::default().row(), &r);
     assert!(columns.bind_to(query("$1")).is_err());
 }

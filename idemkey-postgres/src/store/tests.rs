@@ -25,6 +25,7 @@ fn reservation(key: &str, now: Timestamp) -> NewRecord {
         id: claim.id,
         fingerprint: claim.fingerprint,
         state: RecordState::Executing,
+        token: 1,
         lease_expires_at: Some(now.plus(Duration::from_secs(30))),
         now,
         expires_at: now.plus(Duration::from_secs(3600)),
@@ -229,7 +230,7 @@ async fn a_connection_missing_one_group_statement_is_replaced() {
             .expect("prepared statements");
     assert!(
         prepared.contains(&"idemkey_complete_row_v1".to_owned())
-            && prepared.contains(&"idemkey_reserve_group_v1".to_owned()),
+            && prepared.contains(&"idemkey_reserve_group_v2".to_owned()),
         "{prepared:?}"
     );
     assert_eq!(backend(&store).await, second, "the new connection is kept");
