@@ -420,8 +420,9 @@ pub struct KeySecretArgs {
 /// Where the database is.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
-    /// `sqlite:<path>` or `postgres://…`. Only `serve`, `gateway` and `migrate` create a
-    /// missing SQLite file and the tables; the other commands open what they made.
+    /// `sqlite:<path>`, `postgres://…` or `mysql://…` (MariaDB too). Only `serve`, `gateway`
+    /// and `migrate` create a missing SQLite file and the tables; the other commands open
+    /// what they made.
     #[arg(
         long,
         env = "IDEMKEY_DATABASE_URL",
@@ -429,7 +430,7 @@ pub struct DbArgs {
         default_value = "sqlite:idemkey.db"
     )]
     pub database_url: SecretUrl,
-    /// Connections in the pool (PostgreSQL).
+    /// Connections in the pool (PostgreSQL, MySQL).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub max_connections: u32,
 }
@@ -469,11 +470,12 @@ pub struct ServeArgs {
     /// API keys as "t1=tok1,t2=tok2" (added to --api-key).
     #[arg(long, env = "IDEMKEY_API_KEYS", hide_env_values = true)]
     pub api_keys_env: Option<SecretString>,
-    /// The key secret (PostgreSQL: required, unless --key-secret-in-database).
+    /// The key secret (PostgreSQL, MySQL: required, unless --key-secret-in-database).
     #[command(flatten)]
     pub secret: KeySecretArgs,
     /// Without a given key secret, keep it in the database (generated on first start), beside
-    /// the keys it protects. The default on SQLite (with a warning); PostgreSQL needs this flag.
+    /// the keys it protects. The default on SQLite (with a warning); PostgreSQL and MySQL need
+    /// this flag.
     #[arg(long)]
     pub key_secret_in_database: bool,
     /// Milliseconds the payment handler waits inside its transaction.
@@ -696,7 +698,8 @@ pub struct GatewayArgs {
     /// The service requests are forwarded to, e.g. http://127.0.0.1:9000 (http only).
     #[arg(long)]
     pub upstream: String,
-    /// `sqlite:<path>` (created if missing, with the tables) or `postgres://…`.
+    /// `sqlite:<path>` (created if missing, with the tables), `postgres://…` or `mysql://…`
+    /// (MariaDB too).
     #[arg(
         long,
         env = "IDEMKEY_DATABASE_URL",
@@ -704,7 +707,7 @@ pub struct GatewayArgs {
         default_value = "sqlite:idemkey-gateway.db"
     )]
     pub database_url: SecretUrl,
-    /// Connections in the pool (PostgreSQL).
+    /// Connections in the pool (PostgreSQL, MySQL).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub max_connections: u32,
     /// A route that requires an Idempotency-Key: "METHOD PATH [STATUS=ACTION ...]", PATH may
@@ -772,12 +775,13 @@ pub struct GatewayArgs {
     /// Every caller is this one tenant: only for an upstream that keeps no per-caller state.
     #[arg(long, value_name = "TENANT")]
     pub single_tenant: Option<String>,
-    /// The secret keys are hashed and sealed with (PostgreSQL: required, unless
+    /// The secret keys are hashed and sealed with (PostgreSQL, MySQL: required, unless
     /// --key-secret-in-database).
     #[command(flatten)]
     pub secret: KeySecretArgs,
     /// Without a given key secret, keep it in the database (generated on first start), beside
-    /// the keys it protects. The default on SQLite (with a warning); PostgreSQL needs this flag.
+    /// the keys it protects. The default on SQLite (with a warning); PostgreSQL and MySQL need
+    /// this flag.
     #[arg(long)]
     pub key_secret_in_database: bool,
     /// Where the reconciler asks about an operation whose outcome is unknown; `{key}` and

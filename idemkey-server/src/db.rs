@@ -12,11 +12,13 @@ use std::time::Duration;
 use anyhow::Context;
 use idemkey_core::Store;
 use idemkey_core::outbox::OutboxStore;
+use idemkey_mysql::MySqlStore;
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::rusqlite::{self, OptionalExtension};
 use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use serde::Serialize;
 use sqlx::migrate::Migrator;
+use sqlx::mysql::{MySqlConnection, MySqlDatabaseError};
 use sqlx::postgres::PgConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 
@@ -37,8 +39,8 @@ pub trait OnDatabase {
 /// Runs `work` with the store of the database kind `url` names by its scheme: `sqlite:` a
 /// [`RusqliteStore`] (which runs its statements on the calling thread: docs/decisions.md,
 /// "SQLite's writer without sqlx's worker thread"), `postgres://` (or `postgresql://`) a
-/// [`PgStore`]. Any other URL is
-/// refused, naming the kinds there are. Every command and `serve`, `gateway` and the demo
+/// [`PgStore`], `mysql://` (or `mariadb://`) a [`MySqlStore`]. Any other URL is refused,
+/// naming the kinds there are. Every command and `serve`, `gateway` and the demo
 /// pick their store here, and nowhere else.
 ///
 /// To add a database: give its store the traits `serve` and the commands use ([`AppDb`],
@@ -69,9 +71,11 @@ pub async fn with_database<W: OnDatabase>(url: &str, work: W) -> anyhow::Result<
         work.run::<RusqliteStore>().await
     } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         work.run::<PgStore>().await
+    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+        work.run::<MySqlStore>().await
     } else {
         anyhow::bail!(
-            "unsupported database URL {:?}: expected sqlite:<path> or postgres://…",
+            "unsupported database URL {:?}: expected sqlite:<path>, postgres://… or mysql://…",
             redacted(url)
         )
     }
@@ -80,12 +84,12 @@ pub async fn with_database<W: OnDatabase>(url: &str, work: W) -> anyhow::Result<
 /// Where the database is, and how long a claim waits for SQLite's write lock.
 #[derive(Debug, Clone)]
 pub struct DatabaseOptions {
-    /// The database URL: `sqlite:<path>` or `postgres://…`.
+    /// The database URL: `sqlite:<path>`, `postgres://…` or `mysql://…`.
     pub url: SecretUrl,
-    /// Connections in the pool (PostgreSQL).
+    /// Connections in the pool (PostgreSQL, MySQL).
     pub max_connections: u32,
     /// How long a SQLite claim waits for the database's single write lock (its busy
-    /// time-out); PostgreSQL claims are bounded per route by the layer.
+    /// time-out); PostgreSQL's and MySQL's claims are bounded per route by the layer.
     pub lock_wait: Duration,
 }
 
@@ -145,6 +149,18 @@ impl Backend for PgStore {
         PgStore::connect(&db.url, db.max_connections)
             .await
             .with_context(|| format!("cannot connect to PostgreSQL at `{}`", redacted(&db.url)))
+    }
+
+    async fn open(db: &DatabaseOptions) -> anyhow::Result<Self> {
+        <Self as Backend>::connect(db).await
+    }
+}
+
+impl Backend for MySqlStore {
+    async fn connect(db: &DatabaseOptions) -> anyhow::Result<Self> {
+        MySqlStore::connect(&db.url, db.max_connections)
+            .await
+            .with_context(|| format!("cannot connect to MySQL at `{}`", redacted(&db.url)))
     }
 
     async fn open(db: &DatabaseOptions) -> anyhow::Result<Self> {
@@ -371,10 +387,86 @@ pub trait AppDb: GatewayDb + OutboxStore {
         tenant: &str,
         limit: i64,
     ) -> impl Future<Output = anyhow::Result<(Vec<Payment>, i64)>> + Send;
+
+    /// Whether `error`, an error of the database's own (`sqlx::Error::Database`), says it
+    /// cannot take work now (and why), as opposed to a statement it refused; classified by
+    /// the dialect's codes, never by message. [`unavailable`] asks it of every database
+    /// error, and answers for the errors that are not the database's (I/O, the pool) itself.
+    fn unavailable(error: &sqlx::Error) -> Option<Unavailable>;
+}
+
+/// Why the database cannot take work now: what `serve` answers 503 `store-unavailable` for,
+/// rather than 500, and waits out at start when the database is [`unreachable`](Self::unreachable).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unavailable {
+    /// Why, for the problem's detail (`the database is read-only`).
+    pub reason: &'static str,
+    /// Whether there is no connection to it (refused, lost, or the server starting up or
+    /// shutting down), as opposed to a database that answered and cannot take a write.
+    pub unreachable: bool,
+}
+
+impl Unavailable {
+    /// No connection to the database: refused or lost.
+    pub const UNREACHABLE: Self = Self {
+        reason: "the database is unreachable",
+        unreachable: true,
+    };
+    /// The server ended the connection, or refuses new ones while it starts or stops.
+    pub const CONNECTION_LOST: Self = Self {
+        reason: "the connection to the database was lost",
+        unreachable: true,
+    };
+
+    /// The database answered and cannot take a write now, for `reason`.
+    pub const fn answered(reason: &'static str) -> Self {
+        Self {
+            reason,
+            unreachable: false,
+        }
+    }
+}
+
+/// Whether `error`, from a store `S`, says the database cannot take work now: no connection
+/// (I/O, TLS, the wire protocol, a pool time-out), a closed pool, or what
+/// [`AppDb::unavailable`] reads in the database's own error. `None` for anything else.
+pub(crate) fn unavailable<S: AppDb>(error: &sqlx::Error) -> Option<Unavailable> {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut => Some(Unavailable::UNREACHABLE),
+        sqlx::Error::PoolClosed => Some(Unavailable::answered("the database pool is closed")),
+        sqlx::Error::Database(_) => S::unavailable(error),
+        _ => None,
+    }
+}
+
+/// Why SQLite cannot take a write now, from its (extended) result code: the primary code is
+/// its low byte.
+pub(crate) fn sqlite_unavailable(code: i32) -> Option<Unavailable> {
+    let reason = match code & 0xff {
+        13 => "the database is full",
+        8 => "the database is read-only",
+        5 | 6 => "the database is locked by another writer",
+        10 => "the database file could not be read or written",
+        14 => "the database file could not be opened",
+        _ => return None,
+    };
+    Some(Unavailable::answered(reason))
+}
+
+/// SQLite's [`AppDb::unavailable`], from the code sqlx gives as text.
+fn sqlite_db_unavailable(error: &sqlx::Error) -> Option<Unavailable> {
+    let sqlx::Error::Database(db) = error else {
+        return None;
+    };
+    sqlite_unavailable(db.code()?.parse().ok()?)
 }
 
 static SQLITE_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/sqlite");
 static PG_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/postgres");
+static MYSQL_APP_MIGRATIONS: Migrator = sqlx::migrate!("./migrations/mysql");
 
 /// The payments API's SQL on SQLite, run through sqlx by [`SqliteStore`] and through
 /// rusqlite by [`RusqliteStore`], with the same `?N` parameters.
@@ -413,6 +505,10 @@ mod sqlite_sql {
 }
 
 impl AppDb for SqliteStore {
+    fn unavailable(error: &sqlx::Error) -> Option<Unavailable> {
+        sqlite_db_unavailable(error)
+    }
+
     async fn migrate_all(&self) -> anyhow::Result<()> {
         // The payments API's first, whose first migration makes the settings' table too.
         SQLITE_APP_MIGRATIONS.run(self.pool()).await?;
@@ -491,6 +587,12 @@ fn payment_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Payment> {
 }
 
 impl AppDb for RusqliteStore {
+    /// Its migrations' errors are sqlx's; its statements' are rusqlite's, which
+    /// [`sqlite_unavailable`] reads by the same codes.
+    fn unavailable(error: &sqlx::Error) -> Option<Unavailable> {
+        sqlite_db_unavailable(error)
+    }
+
     async fn migrate_all(&self) -> anyhow::Result<()> {
         // The payments API's migrations are sqlx's, as on `SqliteStore`, through a
         // short-lived sqlx connection to the same file; they come first, as there.
@@ -543,6 +645,28 @@ impl AppDb for RusqliteStore {
 }
 
 impl AppDb for PgStore {
+    /// By SQLSTATE: 53100 disk full, class 53 out of resources, 25006 read-only, and a lost
+    /// connection or a server starting up or shutting down
+    /// ([`idemkey_postgres::is_database_unavailable`]).
+    fn unavailable(error: &sqlx::Error) -> Option<Unavailable> {
+        if idemkey_postgres::is_database_unavailable(error) {
+            return Some(Unavailable::CONNECTION_LOST);
+        }
+        let sqlx::Error::Database(db) = error else {
+            return None;
+        };
+        let code = db.code()?;
+        if code == "53100" {
+            Some(Unavailable::answered("the database's disk is full"))
+        } else if code.starts_with("53") {
+            Some(Unavailable::answered("the database is out of resources"))
+        } else if code == "25006" {
+            Some(Unavailable::answered("the database is read-only"))
+        } else {
+            None
+        }
+    }
+
     async fn migrate_all(&self) -> anyhow::Result<()> {
         // The payments API's first, whose first migration makes the settings' table too.
         self.migrate_with(&PG_APP_MIGRATIONS).await?;
@@ -619,6 +743,136 @@ impl AppDb for PgStore {
             .fetch_one(&mut *conn)
             .await?;
         conn.finish(self).await?;
+        Ok((data, total))
+    }
+}
+
+/// The payments API's SQL on MySQL and MariaDB. `tenant` and `reference` are bytes
+/// (VARBINARY, compared byte for byte), read back as text.
+mod mysql_sql {
+    /// The columns of a payment, in the order of the `payments` table.
+    macro_rules! payment_columns {
+        () => {
+            "id, CONVERT(tenant USING utf8mb4) AS tenant, amount, currency, customer,
+             description, status, created_at, CONVERT(reference USING utf8mb4) AS reference"
+        };
+    }
+    /// The payment, its nine columns in the order of the table. A taken reference is
+    /// error 1062, which ends this statement only.
+    pub(super) const INSERT_PAYMENT: &str = "INSERT INTO payments
+             (id, tenant, amount, currency, customer, description, status, created_at,
+              reference)
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)";
+    /// Its ledger entry: payment id, tenant, amount, currency, time.
+    pub(super) const INSERT_LEDGER_ENTRY: &str =
+        "INSERT INTO ledger_entries (payment_id, tenant, amount, currency, created_at)
+         VALUES (?, ?, ?, ?, ?)";
+    /// The payment that holds a tenant's reference: a locking read, which sees the latest
+    /// committed row whatever the transaction's snapshot (REPEATABLE READ's began before).
+    pub(super) const PAYMENT_BY_REFERENCE: &str =
+        "SELECT id FROM payments WHERE tenant = ? AND reference = ? LOCK IN SHARE MODE";
+    pub(super) const PAYMENT: &str = concat!(
+        "SELECT ",
+        payment_columns!(),
+        " FROM payments WHERE tenant = ? AND id = ?"
+    );
+    pub(super) const PAYMENTS: &str = concat!(
+        "SELECT ",
+        payment_columns!(),
+        " FROM payments WHERE tenant = ? ORDER BY created_at DESC, id LIMIT ?"
+    );
+    pub(super) const COUNT_PAYMENTS: &str = "SELECT count(*) FROM payments WHERE tenant = ?";
+}
+
+/// MySQL's error number of a database error (`None` for any other error).
+pub(crate) fn mysql_number(error: &sqlx::Error) -> Option<u16> {
+    match error {
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<MySqlDatabaseError>()
+            .map(MySqlDatabaseError::number),
+        _ => None,
+    }
+}
+
+/// ER_DUP_ENTRY: an `INSERT` met a unique key's row.
+const MYSQL_DUPLICATE_KEY: u16 = 1062;
+
+impl AppDb for MySqlStore {
+    /// By error number: a lost connection or a server shutting down
+    /// ([`idemkey_mysql::is_connection_lost`]: 1040, 1053, 1152, 1184, 1927, 4031), 1021
+    /// disk full, 1114 table full, 1037, 1038 and 1041 out of memory or resources, 1290,
+    /// 1792 and 1836 read-only (`read_only`, a read-only transaction or server).
+    fn unavailable(error: &sqlx::Error) -> Option<Unavailable> {
+        if idemkey_mysql::is_connection_lost(error) {
+            return Some(Unavailable::CONNECTION_LOST);
+        }
+        let reason = match mysql_number(error)? {
+            1021 => "the database's disk is full",
+            1114 => "the database is full",
+            1037 | 1038 | 1041 => "the database is out of resources",
+            1290 | 1792 | 1836 => "the database is read-only",
+            _ => return None,
+        };
+        Some(Unavailable::answered(reason))
+    }
+
+    async fn migrate_all(&self) -> anyhow::Result<()> {
+        // The payments API's first, whose first migration makes the settings' table too.
+        MYSQL_APP_MIGRATIONS.run(self.pool()).await?;
+        self.migrate_gateway().await
+    }
+
+    async fn insert_payment(
+        &self,
+        conn: &mut MySqlConnection,
+        p: &Payment,
+    ) -> anyhow::Result<PaymentWrite> {
+        // No RETURNING: the payment, then its ledger entry once it is written. A taken
+        // reference waits for a transaction that holds it uncommitted, then is 1062.
+        match bind_payment(sqlx::query(mysql_sql::INSERT_PAYMENT), p)
+            .execute(&mut *conn)
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if p.reference.is_some() && mysql_number(&e) == Some(MYSQL_DUPLICATE_KEY) => {
+                let payment_id = sqlx::query_scalar(mysql_sql::PAYMENT_BY_REFERENCE)
+                    .bind(&p.tenant)
+                    .bind(&p.reference)
+                    .fetch_one(conn)
+                    .await?;
+                return Ok(PaymentWrite::ReferenceUsed { payment_id });
+            }
+            Err(e) => return Err(e.into()),
+        }
+        sqlx::query(mysql_sql::INSERT_LEDGER_ENTRY)
+            .bind(&p.id)
+            .bind(&p.tenant)
+            .bind(p.amount)
+            .bind(&p.currency)
+            .bind(&p.created_at)
+            .execute(conn)
+            .await?;
+        Ok(PaymentWrite::Created)
+    }
+
+    async fn payment(&self, tenant: &str, id: &str) -> anyhow::Result<Option<Payment>> {
+        Ok(sqlx::query_as(mysql_sql::PAYMENT)
+            .bind(tenant)
+            .bind(id)
+            .fetch_optional(self.pool())
+            .await?)
+    }
+
+    async fn payments(&self, tenant: &str, limit: i64) -> anyhow::Result<(Vec<Payment>, i64)> {
+        let data = sqlx::query_as(mysql_sql::PAYMENTS)
+            .bind(tenant)
+            .bind(limit)
+            .fetch_all(self.pool())
+            .await?;
+        let total = sqlx::query_scalar(mysql_sql::COUNT_PAYMENTS)
+            .bind(tenant)
+            .fetch_one(self.pool())
+            .await?;
         Ok((data, total))
     }
 }

@@ -58,7 +58,7 @@ pub use self::http_server::HttpLimits;
 #[doc = include_str!("../../docs/reliability.md")]
 pub struct ReadmeDoctests;
 pub use self::db::{
-    AppDb, Backend, DatabaseOptions, OnDatabase, Payment, open_existing, with_database,
+    AppDb, Backend, DatabaseOptions, OnDatabase, Payment, Unavailable, open_existing, with_database,
 };
 pub use self::gateway::GatewayDb;
 pub use self::secret::KeySecrets;

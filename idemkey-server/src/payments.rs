@@ -14,7 +14,7 @@ use rand::RngCore;
 use serde::Deserialize;
 
 use crate::AppState;
-use crate::db::{AppDb, Payment, PaymentWrite};
+use crate::db::{AppDb, Payment, PaymentWrite, sqlite_unavailable, unavailable};
 use crate::problem::ApiError;
 
 /// Payments above this many minor units are declined (402, stored like any outcome).
@@ -151,7 +151,7 @@ pub(crate) async fn create_payment<S: AppDb>(
             tracing::error!(error = %e, "writing the payment failed");
             // Rolled back either way; a database that cannot take writes is a 503 that says
             // why, like the layer's own, not a 500.
-            return match unavailable(&e) {
+            return match unavailable_reason::<S>(&e) {
                 Some(reason) => {
                     ApiError::Unavailable(format!("{reason}; the payment was not made"))
                 }
@@ -181,51 +181,17 @@ pub(crate) async fn create_payment<S: AppDb>(
 
 /// Why the database cannot take a write now, when `error` says it is that (full, read-only,
 /// locked, unreachable) rather than a refused statement. Classified by kind and code, from
-/// sqlx (both stores' connections) or rusqlite (`RusqliteStore`'s).
-fn unavailable(error: &anyhow::Error) -> Option<&'static str> {
+/// sqlx (the store's own, [`unavailable`]) or rusqlite (`RusqliteStore`'s connections).
+fn unavailable_reason<S: AppDb>(error: &anyhow::Error) -> Option<&'static str> {
     if let Some(e) = error.downcast_ref::<idemkey_sqlite::rusqlite::Error>() {
         return match e {
             idemkey_sqlite::rusqlite::Error::SqliteFailure(failure, _) => {
-                sqlite_unavailable(failure.extended_code)
+                sqlite_unavailable(failure.extended_code).map(|u| u.reason)
             }
             _ => None,
         };
     }
-    match error.downcast_ref::<sqlx::Error>()? {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
-            Some("the database is unreachable")
-        }
-        e @ sqlx::Error::Database(db) => {
-            let code = db.code()?;
-            if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
-                sqlite_unavailable(code.parse::<i32>().ok()?)
-            } else if code == "53100" {
-                Some("the database's disk is full")
-            } else if code.starts_with("53") {
-                Some("the database is out of resources")
-            } else if code == "25006" {
-                Some("the database is read-only")
-            } else if idemkey_postgres::is_database_unavailable(e) {
-                Some("the connection to the database was lost")
-            } else {
-                None
-            }
-        }
-        _ => None,
-    }
-}
-
-/// Why SQLite cannot take a write now, from its (extended) result code: the primary code is
-/// its low byte.
-fn sqlite_unavailable(code: i32) -> Option<&'static str> {
-    match code & 0xff {
-        13 => Some("the database is full"),
-        8 => Some("the database is read-only"),
-        5 | 6 => Some("the database is locked by another writer"),
-        10 => Some("the database file could not be read or written"),
-        14 => Some("the database file could not be opened"),
-        _ => None,
-    }
+    unavailable::<S>(error.downcast_ref::<sqlx::Error>()?).map(|u| u.reason)
 }
 
 /// `GET /v1/payments/{id}`.

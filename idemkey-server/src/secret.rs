@@ -89,7 +89,7 @@ impl KeySecrets {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SecretUse {
     /// `serve` or `gateway`: may keep a secret in the database, on SQLite by default (with a
-    /// warning), on PostgreSQL only with `--key-secret-in-database`.
+    /// warning), on PostgreSQL and MySQL only with `--key-secret-in-database`.
     Start {
         /// `--key-secret-in-database`.
         in_database: bool,
@@ -178,14 +178,14 @@ impl std::fmt::Debug for SecretUrl {
 
 fn no_secret_to_start(url: &str) -> anyhow::Error {
     anyhow::anyhow!(
-        "no key secret: on PostgreSQL the secret must live apart from the keyed hashes in \
-         `{url}`; pass {THE_FLAGS}, or --key-secret-in-database to keep it in the database \
-         anyway"
+        "no key secret: on a database server the secret must live apart from the keyed \
+         hashes in `{url}`; pass {THE_FLAGS}, or --key-secret-in-database to keep it in the \
+         database anyway"
     )
 }
 
 /// `serve` and `gateway`, before they connect to `url`, whose store is `S`: on a database
-/// that is not embedded (PostgreSQL), a secret must be given unless
+/// that is not embedded (PostgreSQL, MySQL), a secret must be given unless
 /// `--key-secret-in-database` says to keep it there. Fails fast, before any migration.
 pub fn check_before_start<S: GatewayDb>(
     url: &str,

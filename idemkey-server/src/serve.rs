@@ -15,7 +15,7 @@ use idemkey_tower::{InFlightPolicy, Metrics, PurgeTask, SystemClock};
 use rand::RngCore;
 use tower::ServiceExt;
 
-use crate::db::{Backend, DatabaseOptions};
+use crate::db::{Backend, DatabaseOptions, unavailable};
 use crate::http_server::{self, HttpLimits};
 use crate::outbox::{OutboxOptions, spawn_relay};
 use crate::problem::ApiError;
@@ -175,7 +175,7 @@ where
             match start(&connect, &options).await {
                 Ok(started) => break started,
                 Err(e) if start_up_refused(&e) => return Err(e.context(START_UP_REFUSED)),
-                Err(e) if database_unreachable(&e) => {
+                Err(e) if database_unreachable::<S>(&e) => {
                     if !announced {
                         listening();
                         announced = true;
@@ -276,20 +276,14 @@ fn start_up_refused(error: &anyhow::Error) -> bool {
     })
 }
 
-/// Whether `error` says the database could not be reached (refused or lost connection, pool
-/// time-out, a server starting up or shutting down), as opposed to one that answered and
-/// refused: only the former is waited out at start. Classified by kind and SQLSTATE.
-fn database_unreachable(error: &anyhow::Error) -> bool {
+/// Whether `error`, from store `S`, says the database could not be reached (refused or lost
+/// connection, pool time-out, a server starting up or shutting down), as opposed to one that
+/// answered and refused: only the former is waited out at start. Classified by kind and the
+/// dialect's codes ([`unavailable`]).
+fn database_unreachable<S: AppDb>(error: &anyhow::Error) -> bool {
     error.chain().any(|cause| {
         if let Some(e) = cause.downcast_ref::<sqlx::Error>() {
-            return match e {
-                sqlx::Error::Io(_)
-                | sqlx::Error::Tls(_)
-                | sqlx::Error::PoolTimedOut
-                | sqlx::Error::Protocol(_) => true,
-                sqlx::Error::Database(_) => idemkey_postgres::is_database_unavailable(e),
-                _ => false,
-            };
+            return unavailable::<S>(e).is_some_and(|u| u.unreachable);
         }
         matches!(
             cause.downcast_ref::<StoreError>(),

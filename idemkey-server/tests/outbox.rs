@@ -75,6 +75,13 @@ async fn read_outbox(backend: &Backend) -> (Vec<Row>, Vec<String>) {
             pool.close().await;
             (rows, ids)
         }
+        Kind::MySql => {
+            let pool = sqlx::MySqlPool::connect(backend.url()).await.unwrap();
+            let rows = sqlx::query_as(outbox).fetch_all(&pool).await.unwrap();
+            let ids = sqlx::query_scalar(payments).fetch_all(&pool).await.unwrap();
+            pool.close().await;
+            (rows, ids)
+        }
     }
 }
 
@@ -91,6 +98,12 @@ async fn stored_errors(backend: &Backend) -> Vec<String> {
         }
         Kind::Postgres => {
             let pool = sqlx::PgPool::connect(backend.url()).await.unwrap();
+            let errors = sqlx::query_scalar(sql).fetch_all(&pool).await.unwrap();
+            pool.close().await;
+            errors
+        }
+        Kind::MySql => {
+            let pool = sqlx::MySqlPool::connect(backend.url()).await.unwrap();
             let errors = sqlx::query_scalar(sql).fetch_all(&pool).await.unwrap();
             pool.close().await;
             errors
@@ -556,6 +569,16 @@ async fn sqlite_operator_commands_and_the_relay_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_operator_commands_and_the_relay_process() {
     operator_commands_and_the_relay_process(Backend::postgres().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_kill9_under_load_one_message_per_payment() {
+    kill9_under_load_one_message_per_payment(Backend::mysql().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_operator_commands_and_the_relay_process() {
+    operator_commands_and_the_relay_process(Backend::mysql().await).await;
 }
 
 /// `--outbox-nats` takes one server or a comma-separated list of them; a list with a server

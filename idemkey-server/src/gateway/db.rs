@@ -5,6 +5,7 @@
 use std::future::Future;
 
 use idemkey_core::{StoreAdmin, StoreError};
+use idemkey_mysql::MySqlStore;
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::rusqlite::OptionalExtension;
 use idemkey_sqlite::{RusqliteStore, SqliteStore};
@@ -64,6 +65,12 @@ fn sqlite_settings_migrator() -> Migrator {
 
 fn pg_settings_migrator() -> Migrator {
     let mut migrator = sqlx::migrate!("./migrations/settings/postgres");
+    migrator.dangerous_set_table_name(SETTINGS_MIGRATIONS_TABLE);
+    migrator
+}
+
+fn mysql_settings_migrator() -> Migrator {
+    let mut migrator = sqlx::migrate!("./migrations/settings/mysql");
     migrator.dangerous_set_table_name(SETTINGS_MIGRATIONS_TABLE);
     migrator
 }
@@ -242,28 +249,35 @@ impl GatewayDb for PgStore {
     }
 
     async fn ping(&self) -> anyhow::Result<()> {
-        // Connections are not pinged when handed out: after a restart the idle ones are
-        // dead, and each failed try closes one (bounded by the pool size, plus a new one).
         // A simple query, one message: `sqlx::query` would prepare it as a named statement
         // kept on the connection, which behind a pooler in transaction mode stays on a
         // server connection that other clients use next.
-        let attempts = self.pool().options().get_max_connections() + 1;
-        let mut attempt = 1;
-        loop {
-            match sqlx::raw_sql("SELECT 1").execute(self.pool()).await {
-                Ok(_) => return Ok(()),
-                Err(e) if attempt < attempts && idemkey_postgres::is_connection_lost(&e) => {
-                    attempt += 1;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
+        ping_pool(self.pool(), idemkey_postgres::is_connection_lost).await
     }
 
     async fn migrate_gateway(&self) -> anyhow::Result<()> {
         self.migrate().await?;
         self.migrate_with(&pg_settings_migrator()).await?;
         Ok(())
+    }
+}
+
+/// `SELECT 1` on a pooled connection, as a simple query. Connections are not pinged when
+/// handed out: after a restart the idle ones are dead, and each failed try (`lost` says so)
+/// closes one, so it is tried again, bounded by the pool size plus a new one.
+async fn ping_pool<DB>(pool: &sqlx::Pool<DB>, lost: fn(&sqlx::Error) -> bool) -> anyhow::Result<()>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let attempts = pool.options().get_max_connections() + 1;
+    let mut attempt = 1;
+    loop {
+        match sqlx::raw_sql("SELECT 1").execute(pool).await {
+            Ok(_) => return Ok(()),
+            Err(e) if attempt < attempts && lost(&e) => attempt += 1,
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 
@@ -274,4 +288,73 @@ async fn pg_table_exists(conn: &mut PgReader, table: &str) -> anyhow::Result<boo
         .persistent(conn.persistent())
         .fetch_one(&mut **conn)
         .await?)
+}
+
+/// The settings' SQL on MySQL and MariaDB.
+mod mysql_sql {
+    /// Whether a table of this name is in the connection's database.
+    pub(super) const TABLE_EXISTS: &str = "SELECT count(*) FROM information_schema.tables
+         WHERE table_schema = DATABASE() AND table_name = ?";
+    pub(super) const SETTING: &str = "SELECT value FROM server_settings WHERE name = ?";
+    /// Stores the value unless the name has one: a no-op update on a taken name (`INSERT
+    /// IGNORE` would also turn every other error into a warning).
+    pub(super) const INIT_SETTING: &str = "INSERT INTO server_settings (name, value)
+         VALUES (?, ?) ON DUPLICATE KEY UPDATE name = name";
+}
+
+impl GatewayDb for MySqlStore {
+    const EMBEDDED: bool = false;
+
+    async fn missing_tables(&self) -> anyhow::Result<Vec<&'static str>> {
+        let mut missing = Vec::new();
+        for table in REQUIRED_TABLES {
+            if !mysql_table_exists(self, table).await? {
+                missing.push(table);
+            }
+        }
+        Ok(missing)
+    }
+
+    async fn setting(&self, name: &str) -> anyhow::Result<Option<Vec<u8>>> {
+        if !mysql_table_exists(self, SETTINGS_TABLE).await? {
+            return Ok(None);
+        }
+        Ok(sqlx::query_scalar(mysql_sql::SETTING)
+            .bind(name)
+            .fetch_optional(self.pool())
+            .await?)
+    }
+
+    async fn setting_or_init(&self, name: &str, value: &[u8]) -> anyhow::Result<Vec<u8>> {
+        // Each statement on its own (autocommit): the read sees the row another instance
+        // committed first.
+        sqlx::query(mysql_sql::INIT_SETTING)
+            .bind(name)
+            .bind(value)
+            .execute(self.pool())
+            .await?;
+        Ok(sqlx::query_scalar(mysql_sql::SETTING)
+            .bind(name)
+            .fetch_one(self.pool())
+            .await?)
+    }
+
+    async fn ping(&self) -> anyhow::Result<()> {
+        ping_pool(self.pool(), idemkey_mysql::is_connection_lost).await
+    }
+
+    async fn migrate_gateway(&self) -> anyhow::Result<()> {
+        self.migrate().await?;
+        mysql_settings_migrator().run(self.pool()).await?;
+        Ok(())
+    }
+}
+
+/// Whether `table` is in the database the store's connections use.
+async fn mysql_table_exists(store: &MySqlStore, table: &str) -> anyhow::Result<bool> {
+    let found: i64 = sqlx::query_scalar(mysql_sql::TABLE_EXISTS)
+        .bind(table)
+        .fetch_one(store.pool())
+        .await?;
+    Ok(found > 0)
 }

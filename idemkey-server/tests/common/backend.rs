@@ -38,6 +38,8 @@ pub(crate) enum Kind {
     Sqlite,
     /// A fresh database on the test PostgreSQL server.
     Postgres,
+    /// A fresh database on a throwaway MariaDB server (`mysql://`).
+    MySql,
 }
 
 /// One test's database, and the factory of `idemkey serve` processes on it.
@@ -80,6 +82,32 @@ impl Backend {
         }
     }
 
+    /// A fresh database on the throwaway MariaDB server of this test binary (started by the
+    /// first test that needs it), named by a `mysql://` URL.
+    pub(crate) async fn mysql() -> Self {
+        static SERVER: std::sync::OnceLock<idemkey_testkit::MariaDb> = std::sync::OnceLock::new();
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let url = tokio::task::spawn_blocking(|| {
+            let server = SERVER.get_or_init(idemkey_testkit::MariaDb::start);
+            let name = format!("e2e{}", NEXT.fetch_add(1, Ordering::Relaxed));
+            server
+                .query(&format!("CREATE DATABASE {name}"))
+                .expect("create database");
+            let base = server.url();
+            let (server_url, _) = base.rsplit_once('/').expect("a database in the URL");
+            format!("{server_url}/{name}")
+        })
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        Self {
+            kind: Kind::MySql,
+            direct: url.clone(),
+            url,
+            dir: tempfile::tempdir().expect("temporary directory"),
+            started: AtomicUsize::new(0),
+        }
+    }
+
     /// The kind of database.
     pub(crate) fn kind(&self) -> Kind {
         self.kind
@@ -111,6 +139,15 @@ impl Backend {
             .expect("connect to PostgreSQL")
     }
 
+    /// A one-connection pool to the MySQL database.
+    async fn mysql_pool(&self) -> sqlx::MySqlPool {
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .connect(&self.direct)
+            .await
+            .expect("connect to MySQL")
+    }
+
     /// What the database holds, read directly with sqlx.
     pub(crate) async fn snapshot(&self) -> Snapshot {
         match self.kind {
@@ -126,6 +163,12 @@ impl Backend {
             }
             Kind::Postgres => {
                 let pool = self.direct_pool().await;
+                let snapshot = read_snapshot!(&pool);
+                pool.close().await;
+                snapshot
+            }
+            Kind::MySql => {
+                let pool = self.mysql_pool().await;
                 let snapshot = read_snapshot!(&pool);
                 pool.close().await;
                 snapshot
@@ -183,6 +226,16 @@ impl Backend {
                 pool.close().await;
                 n
             }
+            Kind::MySql => {
+                let pool = self.mysql_pool().await;
+                let n: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM information_schema.innodb_trx")
+                        .fetch_one(&pool)
+                        .await
+                        .expect("read innodb_trx");
+                pool.close().await;
+                n
+            }
         }
     }
 }
@@ -237,12 +290,16 @@ impl Snapshot {
     }
 }
 
-/// The key secret the tests give `serve`, `gateway` and `keys` on PostgreSQL, where one is
-/// required (SQLite tests use the database-kept default): as `IDEMKEY_KEY_SECRET`.
+/// The key secret the tests give `serve`, `gateway` and `keys` on PostgreSQL and MySQL,
+/// where one is required (SQLite tests use the database-kept default): as
+/// `IDEMKEY_KEY_SECRET`.
 pub(crate) fn postgres_secret<'a>(
     args: impl IntoIterator<Item = &'a str>,
 ) -> Vec<(&'static str, &'static str)> {
-    if args.into_iter().any(|a| a.starts_with("postgres")) {
+    if args
+        .into_iter()
+        .any(|a| a.starts_with("postgres") || a.starts_with("mysql:") || a.starts_with("mariadb:"))
+    {
         vec![(
             "IDEMKEY_KEY_SECRET",
             "a test secret, apart from the database",
