@@ -99,6 +99,87 @@ pub async fn takeover_before_point_of_no_return_fences_the_stale_owner<H: Harnes
     assert_eq!(record.response.expect("response").body, b"{\"fresh\":true}");
 }
 
+/// A key claimed anew after its record was released starts at a token no earlier claim
+/// held: the earlier owner, late (its answer lost, its lease long lapsed), can neither
+/// release, complete, mark indeterminate nor renew the new claim, whether the record was
+/// released by a reconciler (the other service knew nothing of the operation) or by an
+/// operator's resolution. The new owner completes, and retries replay its outcome.
+pub async fn claim_anew_after_release_fences_the_earlier_owner<H: Harness>(h: H) {
+    let store = h.store().clone();
+    let lease = Duration::from_secs(30);
+    for (key, by_operator) in [("k-anew-reconciled", false), ("k-anew-resolved", true)] {
+        let id = record_id("t1", "/v1/transfers", key);
+        // Owner 0 reserved an hour ago, marking the point of no return; its lease lapsed.
+        let then = Timestamp::now().minus(HOUR);
+        let claim = claim_at(&id, 1, then);
+        let ClaimOutcome::Owned { token: stale, .. } =
+            protocol::reserve_at_point_of_no_return(&store, &claim, lease)
+                .await
+                .expect("reserve")
+        else {
+            panic!("a fresh key is owned")
+        };
+        let owner_0 = Lease::new(store.clone(), id.clone(), stale, lease);
+
+        // The record is in doubt and the other service never saw the operation: released.
+        let now = Timestamp::now();
+        if by_operator {
+            protocol::resolve(
+                &store,
+                &id,
+                &Resolution::Released,
+                "operator:test",
+                None,
+                now,
+            )
+            .await
+            .expect("resolve");
+        } else {
+            let mut conn = store.acquire_for_write().await.expect("acquire");
+            let held = store.fetch(&mut conn, &id).await.expect("fetch");
+            let held = held.expect("the record").token;
+            assert!(store.release(&mut conn, &id, held).await.expect("release"));
+        }
+        assert!(fetch(&h, &id).await.is_none(), "released");
+
+        // Another request claims the key anew and calls out.
+        let fresh = reserve_owned(&store, &claim_at(&id, 2, now), lease).await;
+        let owner_1 = Lease::new(store.clone(), id.clone(), fresh, lease);
+        owner_1
+            .point_of_no_return()
+            .await
+            .expect("point of no return");
+        let claimed = fetch(&h, &id).await.expect("the new claim");
+
+        // Owner 0's late writes change nothing.
+        let late = [
+            ("release", owner_0.release().await),
+            ("complete", owner_0.complete(&response("{\"by\":0}")).await),
+            ("mark indeterminate", owner_0.mark_indeterminate().await),
+            ("renew", owner_0.renew().await),
+        ];
+        for (write, result) in late {
+            assert!(
+                matches!(result, Err(protocol::Error::Fenced)),
+                "owner 0's late {write} ({key}): {result:?}"
+            );
+        }
+        assert_eq!(fetch(&h, &id).await, Some(claimed), "the new claim stays");
+
+        owner_1
+            .complete(&response("{\"by\":1}"))
+            .await
+            .expect("owner 1 completes");
+        let retry = protocol::reserve(&store, &claim_at(&id, 2, Timestamp::now()), lease)
+            .await
+            .expect("retry");
+        assert!(
+            matches!(&retry, ClaimOutcome::Replay { response: r, .. } if *r == response("{\"by\":1}")),
+            "{retry:?}"
+        );
+    }
+}
+
 /// A lapsed lease after the point of no return makes the record indeterminate; it is never
 /// handed out for execution again until an operator resolves it.
 pub async fn lapsed_lease_after_point_of_no_return_turns_indeterminate<H: Harness>(h: H) {

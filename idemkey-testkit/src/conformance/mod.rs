@@ -25,6 +25,7 @@ pub use self::claims::{
     rejects_mismatched_fingerprint, scope_text_is_stored_as_given, scopes_are_independent,
 };
 pub use self::external::{
+    claim_anew_after_release_fences_the_earlier_owner,
     concurrent_reservations_and_completions_answer_each_writer,
     lapsed_lease_after_point_of_no_return_turns_indeterminate,
     reservation_holds_the_key_while_leased, reservation_marked_at_the_point_of_no_return,
@@ -217,6 +218,7 @@ macro_rules! conformance_tests {
             scopes_are_independent,
             reservation_holds_the_key_while_leased,
             takeover_before_point_of_no_return_fences_the_stale_owner,
+            claim_anew_after_release_fences_the_earlier_owner,
             lapsed_lease_after_point_of_no_return_turns_indeterminate,
             reservation_marked_at_the_point_of_no_return,
             concurrent_reservations_and_completions_answer_each_writer,
