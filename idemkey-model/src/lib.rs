@@ -97,11 +97,12 @@ pub enum Lookup {
 /// `src/store.rs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InsertToken {
-    /// 1, as both stores' `INSERT` does: a record deleted and claimed anew starts again at
-    /// the token its previous claim began with.
-    One,
-    /// A token no earlier claim of the key held.
+    /// A token no earlier claim of the key held, as every store's `INSERT` writes it (the
+    /// claim's `NewRecord::token`, from `idemkey_core::fresh_token`).
     Fresh,
+    /// Always 1: a record deleted and claimed anew starts again at the token its previous
+    /// claim began with. Shown to break `stale_owner_inert` and `at_most_once`.
+    One,
 }
 
 /// The bounds and the world of one model check.
@@ -162,7 +163,7 @@ impl Config {
             upstream: vec![Upstream::Done, Upstream::Refused, Upstream::Failed],
             answers_too_large: true,
             lookup: Lookup::Settled,
-            insert_token: InsertToken::One,
+            insert_token: InsertToken::Fresh,
             rule: AnswerRule::default(),
         }
     }

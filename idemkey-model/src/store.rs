@@ -1,7 +1,7 @@
-//! The store's rules, as both stores' SQL makes them (`idemkey-sqlite/src/sql.rs`,
-//! `idemkey-postgres/src/statements.rs`), stated once. The model cannot call SQL; each rule
-//! names the conformance test (`idemkey-testkit/src/conformance/`, run against SQLite and
-//! PostgreSQL) that holds the real stores to it.
+//! The store's rules, as the stores' SQL makes them (`idemkey-sqlite/src/sql.rs`,
+//! `idemkey-postgres/src/statements.rs`, `idemkey-mysql/src/sql.rs`), stated once. The model
+//! cannot call SQL; each rule names the conformance test (`idemkey-testkit/src/conformance/`,
+//! run against SQLite, PostgreSQL and MariaDB) that holds the real stores to it.
 
 use idemkey_core::RecordState;
 
@@ -24,10 +24,12 @@ pub(crate) enum Releaser {
 impl State {
     /// The claim: `INSERT … ON CONFLICT DO NOTHING`. One claim wins: it inserts only where
     /// there is no row (held to it by
-    /// `conformance::races::one_of_64_concurrent_claims_owns_the_key`). Its token is 1
-    /// ([`InsertToken::One`], as both stores write it, whether the key is new or its record
-    /// was deleted: held to it by `idemkey-sqlite/tests/token_rules.rs`), or one no earlier
-    /// claim of the key held ([`InsertToken::Fresh`]).
+    /// `conformance::races::one_of_64_concurrent_claims_owns_the_key`). Its token is one no
+    /// earlier claim of the key held ([`InsertToken::Fresh`], as every store writes it,
+    /// whether the key is new or its record was deleted: held to it by
+    /// `conformance::external::claim_anew_after_release_fences_the_earlier_owner` and
+    /// `idemkey-sqlite/tests/token_rules.rs`), or always 1 ([`InsertToken::One`], the rule
+    /// shown to let a stale owner write on a claim anew).
     pub(crate) fn insert(
         &mut self,
         body: Body,
@@ -38,9 +40,11 @@ impl State {
             return None;
         }
         let generation = self.next_generation();
+        // A fresh token stands for a random one: far from every token an earlier claim held,
+        // or reached by raising one.
         let token = match tokens {
-            InsertToken::One => 1,
             InsertToken::Fresh => i64::from(generation) * 1_000 + 1,
+            InsertToken::One => 1,
         };
         self.record = Some(fresh(body, state, token, generation));
         Some((generation, token))

@@ -9,15 +9,6 @@ use idemkey_core::{AfterEffect, Progress, after_effect, answer_not_captured};
 use idemkey_model::{ClaimModel, Config, Decisions, InsertToken, Lookup, Mode};
 use stateright::{Checker, HasDiscoveries, Model};
 
-/// The bounded configuration of `Config::external`, with a fresh token on every claim anew
-/// (see `the_stores_token_1_on_a_claim_anew_lets_a_stale_owner_write`).
-fn external() -> Config {
-    Config {
-        insert_token: InsertToken::Fresh,
-        ..Config::external()
-    }
-}
-
 /// Explores `config` exhaustively with `decisions` and asserts every property.
 fn holds(name: &str, config: Config) {
     let model = ClaimModel::new(config);
@@ -63,7 +54,10 @@ fn shortest_counterexample(name: &str, model: ClaimModel, property: &'static str
 
 #[test]
 fn external_mode_holds_every_property() {
-    holds("external, point of no return at reservation", external());
+    holds(
+        "external, point of no return at reservation",
+        Config::external(),
+    );
 }
 
 #[test]
@@ -74,7 +68,7 @@ fn external_mode_with_a_separate_point_of_no_return_holds_every_property() {
             mode: Mode::External {
                 point_of_no_return_at_reservation: false,
             },
-            ..external()
+            ..Config::external()
         },
     );
 }
@@ -84,12 +78,16 @@ fn local_mode_holds_every_property() {
     holds("local", Config::local());
 }
 
-/// Both stores' `INSERT` starts a record at token 1, so a record deleted (released by the
+/// A store whose `INSERT` started every record at token 1: a record deleted (released by the
 /// reconciler or an operator, purged) and claimed anew carries the token its first owner
-/// held: that owner, paused past its lease, then writes on the new claim.
+/// held, and that owner, paused past its lease, then writes on the new claim. The stores
+/// start each claim at a fresh token instead ([`InsertToken::Fresh`], the default).
 #[test]
-fn the_stores_token_1_on_a_claim_anew_lets_a_stale_owner_write() {
-    let model = ClaimModel::new(Config::external());
+fn a_fixed_start_token_on_a_claim_anew_lets_a_stale_owner_write() {
+    let model = ClaimModel::new(Config {
+        insert_token: InsertToken::One,
+        ..Config::external()
+    });
     let trace = shortest_counterexample(
         "token 1 on every insert",
         model.clone(),
@@ -111,7 +109,7 @@ fn releasing_a_sent_request_without_an_answer_executes_twice() {
             other => after_effect(other, rule),
         }
     }
-    let model = ClaimModel::new(external()).with_decisions(Decisions {
+    let model = ClaimModel::new(Config::external()).with_decisions(Decisions {
         after_effect: wrong,
         ..Decisions::default()
     });
@@ -139,7 +137,7 @@ fn releasing_a_sent_request_whose_answer_was_too_large_executes_twice() {
         answer_not_captured(Progress::NotSent),
         wrong(Progress::NotSent)
     );
-    let model = ClaimModel::new(external()).with_decisions(Decisions {
+    let model = ClaimModel::new(Config::external()).with_decisions(Decisions {
         answer_not_captured: wrong,
         ..Decisions::default()
     });
@@ -154,7 +152,7 @@ fn releasing_a_sent_request_whose_answer_was_too_large_executes_twice() {
 /// The first-sent rule turned off: a retry after its record's retention runs again.
 #[test]
 fn a_late_retry_not_refused_executes_twice() {
-    let model = ClaimModel::new(external()).with_decisions(Decisions {
+    let model = ClaimModel::new(Config::external()).with_decisions(Decisions {
         is_late: |_, _, _, _| false,
         ..Decisions::default()
     });
@@ -168,7 +166,7 @@ fn a_late_retry_not_refused_executes_twice() {
 fn a_look_up_truthful_only_when_it_answers_lets_a_request_run_twice() {
     let model = ClaimModel::new(Config {
         lookup: Lookup::AtArrival,
-        ..external()
+        ..Config::external()
     });
     shortest_counterexample("look-up truthful at arrival only", model, "at_most_once");
 }
@@ -180,7 +178,7 @@ fn without_a_reconciler_or_an_operator_a_record_in_doubt_stays() {
         reconciler: false,
         operator: false,
         retention_ends: false,
-        ..external()
+        ..Config::external()
     });
     let trace = shortest_counterexample("no reconciler, no operator", model, "settles");
     assert!(!trace.contains("Reconciler"), "{trace}");
@@ -192,7 +190,7 @@ fn without_a_reconciler_or_an_operator_a_record_in_doubt_stays() {
 #[ignore = "minutes to hours: run by scripts/model_deep.sh"]
 fn deep() {
     let var = |name: &str| std::env::var(name).ok();
-    let mut base = external();
+    let mut base = Config::external();
     if let Some(clients) = var("MODEL_CLIENTS") {
         base.clients = clients
             .chars()
