@@ -114,6 +114,114 @@ async fn gateway_runs_once_and_replays() {
     );
 }
 
+/// `serve` on MySQL starts while the database server is down: it listens, answers 503
+/// `store-unavailable` with `Retry-After` meanwhile, and once the server is back takes a
+/// payment once, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_waits_for_a_database_down_at_start() {
+    let mut mariadb = tokio::task::spawn_blocking(|| {
+        let mut mariadb = idemkey_testkit::MariaDb::start();
+        mariadb.kill9();
+        mariadb
+    })
+    .await
+    .expect("a stopped MariaDB");
+    let backend = Backend::mysql_at(mariadb.url());
+    let server = backend.start(&[]).await;
+    let api = server.api();
+    let down = api.get("/healthz", None).await;
+    down.assert_problem(503, "store-unavailable");
+    assert!(down.header("retry-after").is_some(), "{}", down.text());
+    let body = payment(900, "after the start");
+    let refused = api.pay_ok(TOKEN1, "k-later", &body).await;
+    refused.assert_problem(503, "store-unavailable");
+
+    let mariadb = tokio::task::spawn_blocking(move || {
+        mariadb.restart();
+        mariadb
+    })
+    .await
+    .expect("MariaDB back");
+    let first = api.pay_until_created(TOKEN1, "k-later", &body).await;
+    assert!(!first.replayed());
+    let retry = api.pay_ok(TOKEN1, "k-later", &body).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    backend.snapshot().await.assert_consistent(1);
+    drop(mariadb);
+}
+
+/// What the store reads as a database that cannot take work now, from MariaDB's own errors:
+/// a write in a read-only transaction (1792) is the database being read-only, a session the
+/// server killed is a lost connection (waited out at start), and a refused statement (a
+/// duplicate key, 1062) is neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unavailable_is_read_by_mysql_error_number() {
+    use idemkey_mysql::MySqlStore;
+    use idemkey_server::{AppDb, Unavailable};
+
+    let backend = Backend::mysql().await;
+    let pool = sqlx::MySqlPool::connect(backend.url())
+        .await
+        .expect("connect");
+    sqlx::raw_sql("CREATE TABLE t (id INT PRIMARY KEY) ENGINE = InnoDB")
+        .execute(&pool)
+        .await
+        .expect("create a table");
+    let mut conn = pool.acquire().await.expect("a connection");
+
+    sqlx::raw_sql("START TRANSACTION READ ONLY")
+        .execute(&mut *conn)
+        .await
+        .expect("begin read-only");
+    let read_only = sqlx::raw_sql("INSERT INTO t VALUES (1)")
+        .execute(&mut *conn)
+        .await
+        .expect_err("a write in a read-only transaction");
+    assert_eq!(
+        <MySqlStore as AppDb>::unavailable(&read_only),
+        Some(Unavailable::answered("the database is read-only")),
+        "{read_only}"
+    );
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut *conn)
+        .await
+        .expect("roll back");
+
+    sqlx::raw_sql("INSERT INTO t VALUES (1)")
+        .execute(&mut *conn)
+        .await
+        .expect("insert");
+    let duplicate = sqlx::raw_sql("INSERT INTO t VALUES (1)")
+        .execute(&mut *conn)
+        .await
+        .expect_err("a duplicate key");
+    assert_eq!(
+        <MySqlStore as AppDb>::unavailable(&duplicate),
+        None,
+        "{duplicate}"
+    );
+
+    let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("its id");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
+        .execute(&pool)
+        .await
+        .expect("kill the session");
+    let killed = sqlx::raw_sql("SELECT 1")
+        .execute(&mut *conn)
+        .await
+        .expect_err("a statement on a killed session");
+    assert_eq!(
+        <MySqlStore as AppDb>::unavailable(&killed),
+        Some(Unavailable::CONNECTION_LOST),
+        "{killed}"
+    );
+    conn.detach();
+}
+
 /// A database URL of no kind idemkey knows is refused, naming every kind, MySQL among them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_scheme_is_refused_naming_mysql() {

@@ -99,6 +99,11 @@ impl Backend {
         })
         .await
         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        Self::mysql_at(url)
+    }
+
+    /// The MySQL database `url` names (a server of the test's own).
+    pub(crate) fn mysql_at(url: String) -> Self {
         Self {
             kind: Kind::MySql,
             direct: url.clone(),
