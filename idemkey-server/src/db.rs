@@ -390,7 +390,7 @@ pub trait AppDb: GatewayDb + OutboxStore {
 
     /// Whether `error`, an error of the database's own (`sqlx::Error::Database`), says it
     /// cannot take work now (and why), as opposed to a statement it refused; classified by
-    /// the dialect's codes, never by message. [`unavailable`] asks it of every database
+    /// the dialect's codes, never by message. The server asks it of every database
     /// error, and answers for the errors that are not the database's (I/O, the pool) itself.
     fn unavailable(error: &sqlx::Error) -> Option<Unavailable>;
 }
@@ -436,7 +436,8 @@ pub(crate) fn unavailable<S: AppDb>(error: &sqlx::Error) -> Option<Unavailable> 
         | sqlx::Error::Tls(_)
         | sqlx::Error::Protocol(_)
         | sqlx::Error::PoolTimedOut => Some(Unavailable::UNREACHABLE),
-        sqlx::Error::PoolClosed => Some(Unavailable::answered("the database pool is closed")),
+        // Closed as the server stops: nothing to wait for, but not the statement's fault.
+        sqlx::Error::PoolClosed => Some(Unavailable::answered("the database is unreachable")),
         sqlx::Error::Database(_) => S::unavailable(error),
         _ => None,
     }
@@ -588,7 +589,7 @@ fn payment_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Payment> {
 
 impl AppDb for RusqliteStore {
     /// Its migrations' errors are sqlx's; its statements' are rusqlite's, which
-    /// [`sqlite_unavailable`] reads by the same codes.
+    /// the server reads by the same codes.
     fn unavailable(error: &sqlx::Error) -> Option<Unavailable> {
         sqlite_db_unavailable(error)
     }
