@@ -818,9 +818,17 @@ impl AppDb for MySqlStore {
     }
 
     async fn migrate_all(&self) -> anyhow::Result<()> {
-        // The payments API's first, whose first migration makes the settings' table too.
-        MYSQL_APP_MIGRATIONS.run(self.pool()).await?;
-        self.migrate_gateway().await
+        // The payments API's first, whose first migration makes the settings' table too; all
+        // under one lock.
+        crate::gateway::mysql_migrate_locked(
+            self,
+            &[
+                &MYSQL_APP_MIGRATIONS,
+                &MySqlStore::migrator(),
+                &crate::gateway::mysql_settings_migrator(),
+            ],
+        )
+        .await
     }
 
     async fn insert_payment(
