@@ -183,6 +183,7 @@ impl Backend {
 
     /// How many transactions on this database are open now (the handlers sleeping in
     /// `--simulate-latency` inside theirs). PostgreSQL: the sessions idle in a transaction.
+    /// MySQL: InnoDB's transactions of the database's sessions.
     /// SQLite, whose writers take one lock: 1 while a writer holds it, told by a
     /// `BEGIN IMMEDIATE` that is refused at once, else 0.
     pub(crate) async fn open_transactions(&self) -> i64 {
@@ -233,11 +234,16 @@ impl Backend {
             }
             Kind::MySql => {
                 let pool = self.mysql_pool().await;
-                let n: i64 =
-                    sqlx::query_scalar("SELECT count(*) FROM information_schema.innodb_trx")
-                        .fetch_one(&pool)
-                        .await
-                        .expect("read innodb_trx");
+                // InnoDB's open transactions of this database's sessions (the server is
+                // shared by the test binary's other databases).
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM information_schema.innodb_trx AS t
+                       JOIN information_schema.processlist AS p ON p.id = t.trx_mysql_thread_id
+                      WHERE p.db = DATABASE()",
+                )
+                .fetch_one(&pool)
+                .await
+                .expect("read innodb_trx");
                 pool.close().await;
                 n
             }
