@@ -240,6 +240,23 @@ async fn unavailable_is_read_by_mysql_error_number() {
     conn.detach();
 }
 
+/// `idemkey demo` on a MySQL database: its payments through the lossy proxy exist exactly once
+/// (it exits 0 only then), and the database holds one of each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_runs_on_mysql() {
+    let backend = Backend::mysql().await;
+    let out = idemkey_cli(vec![
+        "demo".into(),
+        "--payments".into(),
+        "20".into(),
+        "--database-url".into(),
+        backend.url().to_owned(),
+    ])
+    .await;
+    assert!(!out.is_empty(), "the demo prints its report");
+    backend.snapshot().await.assert_consistent(20);
+}
+
 /// A database URL of no kind idemkey knows is refused, naming every kind, MySQL among them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_scheme_is_refused_naming_mysql() {
