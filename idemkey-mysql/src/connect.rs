@@ -101,11 +101,65 @@ impl MySqlStore {
         migrator
     }
 
-    /// Runs the pending migrations. MySQL commits each `CREATE TABLE` on its own (DDL is
+    /// Runs the pending migrations ([`migrate_with`](Self::migrate_with) this store's
+    /// [`migrator`](Self::migrator)). MySQL commits each `CREATE TABLE` on its own (DDL is
     /// not transactional there): a run that failed half-way leaves its migration marked
     /// unfinished in the tracking table, and the next run refuses to go on until an
     /// operator has looked (sqlx's "dirty" migration).
-    pub async fn migrate(&self) -> Result<(), MigrateError> {
-        Self::migrator().run(&self.pool).await
+    pub async fn migrate(&self) -> Result<(), MigrationError> {
+        self.migrate_with(&[&Self::migrator()]).await
     }
+
+    /// Runs `migrators` in order (this store's, the application's own) on one connection,
+    /// holding a named lock of the database meanwhile (`GET_LOCK`, its answer checked), so
+    /// that processes starting at once on a fresh database run each migration once. sqlx's
+    /// own lock, `GET_LOCK(…, -1)` whose answer it does not read, let three servers starting
+    /// together on MariaDB run the same migration at once, and the others found it half
+    /// applied. The lock goes with the connection; a process waits for another one's
+    /// migrations for at most [`MIGRATION_WAIT`](Self::MIGRATION_WAIT).
+    pub async fn migrate_with(&self, migrators: &[&Migrator]) -> Result<(), MigrationError> {
+        const LOCK: &str = "SELECT GET_LOCK(CONCAT('idemkey_migrate_', MD5(DATABASE())), ?)";
+        const UNLOCK: &str = "SELECT RELEASE_LOCK(CONCAT('idemkey_migrate_', MD5(DATABASE())))";
+        let mut conn = self.pool.acquire().await.map_err(MigrateError::Execute)?;
+        let locked: Option<i64> = sqlx::query_scalar(LOCK)
+            .bind(Self::MIGRATION_WAIT.as_secs())
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(MigrateError::Execute)?;
+        if locked != Some(1) {
+            return Err(MigrationError::Locked(Self::MIGRATION_WAIT));
+        }
+        let mut migrated = Ok(());
+        for migrator in migrators {
+            // `run` on a borrowed connection is refused in a `Send` future ("`Acquire` is not
+            // general enough"); `run_direct` is sqlx's way around that, the same steps.
+            if let Err(e) = migrator.run_direct(None, &mut *conn, false).await {
+                migrated = Err(e.into());
+                break;
+            }
+        }
+        sqlx::query(UNLOCK)
+            .execute(&mut *conn)
+            .await
+            .map_err(MigrateError::Execute)?;
+        migrated
+    }
+
+    /// How long [`migrate_with`](Self::migrate_with) waits for another process's migrations
+    /// on the same database.
+    pub const MIGRATION_WAIT: Duration = Duration::from_secs(300);
+}
+
+/// Why [`MySqlStore::migrate`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MigrationError {
+    /// Another process held the database's migration lock for longer than the wait.
+    #[error(
+        "another process has been running idemkey's migrations on this database for over {0:?} (it holds the lock `idemkey_migrate_…`); try again once it is done"
+    )]
+    Locked(Duration),
+    /// A migration failed, or the database could not be read.
+    #[error(transparent)]
+    Migrate(#[from] MigrateError),
 }

@@ -25,4 +25,4 @@ mod sql;
 mod store;
 
 pub use self::codes::is_connection_lost;
-pub use self::connect::MySqlStore;
+pub use self::connect::{MigrationError, MySqlStore};

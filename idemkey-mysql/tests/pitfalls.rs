@@ -263,3 +263,49 @@ async fn a_response_larger_than_max_allowed_packet_commits_nothing() {
     assert!(matches!(retry, ClaimOutcome::Owned { .. }), "{retry:?}");
     assert_eq!(h.count_effects().await, 1);
 }
+
+/// Processes starting at once on a fresh database each run the migrations, one after
+/// another under the database's named lock: every run succeeds and each migration is
+/// applied once (sqlx's own lock, whose answer it does not read, let them run together and
+/// the others stop on a migration found half applied).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stores_migrating_one_fresh_database_at_once_all_succeed() {
+    const PROCESSES: usize = 4;
+    let url = tokio::task::spawn_blocking(|| {
+        let server = common::server();
+        server
+            .query("CREATE DATABASE fresh_migrations")
+            .expect("create database");
+        let base = server.url();
+        let (server_url, _) = base.rsplit_once('/').expect("a database in the URL");
+        format!("{server_url}/fresh_migrations")
+    })
+    .await
+    .expect("fresh database");
+    let barrier = Arc::new(tokio::sync::Barrier::new(PROCESSES));
+    let mut runs = Vec::new();
+    for _ in 0..PROCESSES {
+        let store = MySqlStore::connect(&url, 2).await.expect("connect");
+        let barrier = barrier.clone();
+        runs.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store.migrate().await
+        }));
+    }
+    for run in runs {
+        run.await.expect("the run").expect("every run succeeds");
+    }
+    let store = MySqlStore::connect(&url, 1).await.expect("connect");
+    let applied: Vec<(i64, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT version, success FROM {} ORDER BY version",
+        MySqlStore::MIGRATIONS_TABLE
+    )))
+    .fetch_all(store.pool())
+    .await
+    .expect("the tracking table");
+    let expected: Vec<(i64, bool)> = MySqlStore::migrator()
+        .iter()
+        .map(|m| (m.version, true))
+        .collect();
+    assert_eq!(applied, expected, "each migration applied once, whole");
+}

@@ -820,15 +820,13 @@ impl AppDb for MySqlStore {
     async fn migrate_all(&self) -> anyhow::Result<()> {
         // The payments API's first, whose first migration makes the settings' table too; all
         // under one lock.
-        crate::gateway::mysql_migrate_locked(
-            self,
-            &[
+        Ok(self
+            .migrate_with(&[
                 &MYSQL_APP_MIGRATIONS,
                 &MySqlStore::migrator(),
                 &crate::gateway::mysql_settings_migrator(),
-            ],
-        )
-        .await
+            ])
+            .await?)
     }
 
     async fn insert_payment(

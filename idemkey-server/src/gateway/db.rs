@@ -344,49 +344,10 @@ impl GatewayDb for MySqlStore {
     }
 
     async fn migrate_gateway(&self) -> anyhow::Result<()> {
-        mysql_migrate_locked(self, &[&MySqlStore::migrator(), &mysql_settings_migrator()]).await
+        Ok(self
+            .migrate_with(&[&MySqlStore::migrator(), &mysql_settings_migrator()])
+            .await?)
     }
-}
-
-/// How long a process waits for another one's migrations on the same MySQL database.
-const MYSQL_MIGRATION_WAIT_SECS: u32 = 300;
-
-/// Runs `migrators` in order on one connection of `store`, holding a named lock of its
-/// database meanwhile (`GET_LOCK`, its answer checked), so that processes starting at once on
-/// a fresh database run each migration once: sqlx's own lock, `GET_LOCK(…, -1)` whose answer
-/// it does not read, let three servers starting together on MariaDB run the same migration at
-/// once, and the losers found it half applied. The lock goes with the connection.
-pub(crate) async fn mysql_migrate_locked(
-    store: &MySqlStore,
-    migrators: &[&Migrator],
-) -> anyhow::Result<()> {
-    const LOCK: &str = "CONCAT('idemkey_migrate_', MD5(DATABASE()))";
-    let mut conn = store.pool().acquire().await?;
-    let locked: Option<i64> =
-        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT GET_LOCK({LOCK}, ?)")))
-            .bind(MYSQL_MIGRATION_WAIT_SECS)
-            .fetch_one(&mut *conn)
-            .await?;
-    if locked != Some(1) {
-        anyhow::bail!(
-            "another process has run idemkey's migrations on this database for over \
-             {MYSQL_MIGRATION_WAIT_SECS} s (the lock `idemkey_migrate_…` is held); try again \
-             once it is done"
-        );
-    }
-    let mut migrated = Ok(());
-    for migrator in migrators {
-        // `run` on a borrowed connection is refused in a `Send` future ("`Acquire` is not
-        // general enough"); `run_direct` is sqlx's way around that, the same steps.
-        if let Err(e) = migrator.run_direct(None, &mut *conn, false).await {
-            migrated = Err(e.into());
-            break;
-        }
-    }
-    sqlx::query(sqlx::AssertSqlSafe(format!("SELECT RELEASE_LOCK({LOCK})")))
-        .execute(&mut *conn)
-        .await?;
-    migrated
 }
 
 /// Whether `table` is in the database the store's connections use.
