@@ -4,6 +4,8 @@
 //! for the whole test binary, a fresh database per test; the test that kills a node holds
 //! the cluster alone.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -141,30 +143,15 @@ impl Harness for GaleraHarness {
     }
 
     async fn write_effect(&self, conn: &mut MySqlConnection, label: &str) {
-        sqlx::query("INSERT INTO effects (label) VALUES (?)")
-            .bind(label)
-            .execute(conn)
-            .await
-            .expect("effect");
+        common::write_effect(conn, label).await;
     }
 
     async fn count_effects(&self) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM effects")
-            .fetch_one(&self.admin)
-            .await
-            .expect("count")
+        common::count_effects(&self.admin).await
     }
 
-    async fn sever(&self, mut tx: <MySqlStore as Store>::Transaction) {
-        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-            .fetch_one(&mut *tx)
-            .await
-            .expect("connection id");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
-            .execute(&self.admin)
-            .await
-            .expect("kill");
-        drop(tx);
+    async fn sever(&self, tx: <MySqlStore as Store>::Transaction) {
+        common::sever(&self.admin, tx).await;
     }
 }
 

@@ -93,30 +93,45 @@ impl Harness for MySqlHarness {
     }
 
     async fn write_effect(&self, conn: &mut MySqlConnection, label: &str) {
-        sqlx::query("INSERT INTO effects (label) VALUES (?)")
-            .bind(label)
-            .execute(conn)
-            .await
-            .expect("effect");
+        write_effect(conn, label).await;
     }
 
     async fn count_effects(&self) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM effects")
-            .fetch_one(&self.admin)
-            .await
-            .expect("count")
+        count_effects(&self.admin).await
     }
 
-    async fn sever(&self, mut tx: <MySqlStore as Store>::Transaction) {
-        // The server kills the owner's session mid-transaction, as if its client crashed.
-        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-            .fetch_one(&mut *tx)
-            .await
-            .expect("connection id");
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
-            .execute(&self.admin)
-            .await
-            .expect("kill");
-        drop(tx);
+    async fn sever(&self, tx: <MySqlStore as Store>::Transaction) {
+        sever(&self.admin, tx).await;
     }
+}
+
+/// Writes one effect row labelled `label` on `conn`.
+pub(crate) async fn write_effect(conn: &mut MySqlConnection, label: &str) {
+    sqlx::query("INSERT INTO effects (label) VALUES (?)")
+        .bind(label)
+        .execute(conn)
+        .await
+        .expect("effect");
+}
+
+/// How many effect rows are committed, read on `admin`.
+pub(crate) async fn count_effects(admin: &MySqlPool) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(admin)
+        .await
+        .expect("count")
+}
+
+/// The server kills the owner's session mid-transaction (through `admin`), as if its client
+/// crashed.
+pub(crate) async fn sever(admin: &MySqlPool, mut tx: <MySqlStore as Store>::Transaction) {
+    let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("connection id");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
+        .execute(admin)
+        .await
+        .expect("kill");
+    drop(tx);
 }
