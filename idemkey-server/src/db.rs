@@ -22,7 +22,7 @@ use sqlx::mysql::{MySqlConnection, MySqlDatabaseError};
 use sqlx::postgres::PgConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 
-use crate::gateway::{GatewayDb, sqlx_store};
+use crate::gateway::GatewayDb;
 use crate::secret::{SecretUrl, redacted};
 
 /// Work to do on the database a URL names, whichever its kind: [`with_database`] runs it
@@ -585,6 +585,14 @@ fn payment_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Payment> {
         created_at: row.get("created_at")?,
         reference: row.get("reference")?,
     })
+}
+
+/// A short-lived sqlx store on a [`RusqliteStore`]'s file, for the migrations sqlx runs on
+/// it (opened by its path, so no URL is rebuilt from the name).
+pub(crate) async fn sqlx_store(
+    store: &RusqliteStore,
+) -> Result<SqliteStore, idemkey_core::StoreError> {
+    SqliteStore::open_file(store.path(), SqliteStore::DEFAULT_BUSY_TIMEOUT).await
 }
 
 impl AppDb for RusqliteStore {

@@ -4,14 +4,14 @@
 
 use std::future::Future;
 
-use idemkey_core::{StoreAdmin, StoreError};
+use idemkey_core::StoreAdmin;
 use idemkey_mysql::MySqlStore;
 use idemkey_postgres::PgStore;
 use idemkey_sqlite::rusqlite::OptionalExtension;
 use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use sqlx::migrate::Migrator;
 
-use crate::db::PgReader;
+use crate::db::{PgReader, sqlx_store};
 
 /// A store with what `idemkey gateway` and the operator commands use besides it: a health
 /// ping, the server's settings (the key secret kept in the database), and the migrations of
@@ -191,12 +191,6 @@ impl GatewayDb for RusqliteStore {
         sqlx.pool().close().await;
         Ok(migrated?)
     }
-}
-
-/// A short-lived sqlx store on a [`RusqliteStore`]'s file, for the migrations sqlx runs on
-/// it (opened by its path, so no URL is rebuilt from the name).
-pub(crate) async fn sqlx_store(store: &RusqliteStore) -> Result<SqliteStore, StoreError> {
-    SqliteStore::open_file(store.path(), SqliteStore::DEFAULT_BUSY_TIMEOUT).await
 }
 
 impl GatewayDb for PgStore {

@@ -46,7 +46,7 @@ mod seal;
 mod upstream;
 
 pub use self::db::GatewayDb;
-pub(crate) use self::db::{mysql_settings_migrator, sqlx_store};
+pub(crate) use self::db::mysql_settings_migrator;
 pub use self::rejection::GatewayRejection;
 
 pub(crate) use self::seal::KeySealer;
