@@ -3,7 +3,9 @@
 //! each, which the check named for the flaw must fail, and variants that answer otherwise than
 //! the reference in ways the rules allow, which must not fail.
 //!
-//! Every execution takes [`WORK`] (the server's simulated work), counts one effect (read at
+//! Every execution works until another attempt has looked its key up (at most [`WORK`]: the
+//! work of a lone request), so a retry or a race meets it running whatever the timing; it
+//! counts one effect (read at
 //! `GET /effects` as a JSON number) and answers `201` with a body holding a fresh order id, so
 //! two executions are told apart by their bodies. Keys follow the contract of the layer:
 //! `Idempotency-Key` required and parsed by [`IdempotencyKey`], scoped by the caller's
@@ -25,10 +27,12 @@ use http::{HeaderMap, HeaderValue, StatusCode, header};
 use idemkey_core::{HEADER_NAME, IdempotencyKey, KeyError, Mismatch, problem};
 use idemkey_tower::{IdempotencyRejection, problem_response};
 use serde_json::{Value, json};
+use tokio::sync::Notify;
 
-/// How long one execution works (the server's simulated work, not a test's wait).
+/// How long one execution works when no other attempt comes (the server's simulated work).
 const WORK: Duration = Duration::from_millis(200);
-/// [`Flaw::CheckThenInsert`]: the work done between looking the key up and inserting it.
+/// [`Flaw::CheckThenInsert`]: how long an attempt waits between looking the key up and
+/// inserting it when no other attempt comes.
 const CHECK_GAP: Duration = Duration::from_millis(100);
 /// The `Retry-After` of the in-flight answer.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -88,6 +92,9 @@ struct Orders {
     flaw: Flaw,
     records: Mutex<HashMap<(String, String), Record>>,
     executions: AtomicU64,
+    /// Told each time an attempt has looked its key up: the work under way (and
+    /// [`Flaw::CheckThenInsert`]'s gap) ends then, once the other attempt's answer is decided.
+    looked_up: Notify,
 }
 
 /// Starts the server with `flaw` on `127.0.0.1:0`; returns its base URL (`http://127.0.0.1:port`).
@@ -97,6 +104,7 @@ pub(crate) async fn start(flaw: Flaw) -> String {
         flaw,
         records: Mutex::default(),
         executions: AtomicU64::new(0),
+        looked_up: Notify::new(),
     });
     let app = Router::new()
         .route("/orders", post(create_order))
@@ -158,11 +166,13 @@ impl Orders {
             (_, Some(value)) => String::from_utf8_lossy(value.as_bytes()).into_owned(),
         };
         let id = (caller, key);
-        if let Some(answer) = self.look_up(&id, &request) {
+        let answer = self.look_up(&id, &request);
+        self.looked_up.notify_waiters();
+        if let Some(answer) = answer {
             return answer;
         }
         if self.flaw == Flaw::CheckThenInsert {
-            tokio::time::sleep(CHECK_GAP).await;
+            self.until_another_looks_up(CHECK_GAP).await;
             self.records().insert(
                 id.clone(),
                 Record::Running {
@@ -240,9 +250,15 @@ impl Orders {
 
     /// One execution: the work, one effect counted, a new order.
     async fn execute(&self, request: &Value) -> Bytes {
-        tokio::time::sleep(WORK).await;
+        self.until_another_looks_up(WORK).await;
         let n = self.executions.fetch_add(1, Ordering::SeqCst) + 1;
         Bytes::from(json!({ "id": format!("ord_{n}"), "order": request }).to_string())
+    }
+
+    /// Waits until another attempt has looked its key up, or `bound` (a lone request's work)
+    /// has passed.
+    async fn until_another_looks_up(&self, bound: Duration) {
+        let _ = tokio::time::timeout(bound, self.looked_up.notified()).await;
     }
 
     fn records(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Record>> {
