@@ -6,6 +6,9 @@
 //! The store is a real SQLite store behind a wrapper that counts the calls that read a
 //! record (claims and fetches): the bound is on reads, not on time.
 
+#[path = "support/watched.rs"]
+mod watched;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -16,194 +19,40 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http::{Request, StatusCode};
-use idemkey_core::{
-    Begun, CommitError, EvictionNotices, Inserted, KeyHasher, NewRecord, Record, RecordId, Store,
-    StoreError, StoredResponse, Timestamp,
-};
+use idemkey_core::KeyHasher;
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{External, IdempotencyLayer, Metrics, REPLAYED_HEADER};
 use tokio::sync::{Notify, Semaphore};
 use tower::ServiceExt;
+use watched::{Call, Watch, Watched};
 
-/// A store that counts the calls that read a record: the claim's inserts and fetches.
-#[derive(Debug, Clone)]
-struct Counting<S> {
-    inner: S,
-    reads: Arc<AtomicUsize>,
+/// Counts the store's calls that read a record: the claim's inserts and fetches.
+#[derive(Debug, Clone, Default)]
+struct Reads(Arc<AtomicUsize>);
+
+impl Reads {
+    fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
 }
 
-impl<S> Counting<S> {
-    fn new(inner: S) -> Self {
-        Self {
-            inner,
-            reads: Arc::default(),
+impl Watch for Reads {
+    fn before(&self, call: Call) {
+        if call != Call::CompleteAutocommit {
+            self.0.fetch_add(1, Ordering::SeqCst);
         }
     }
-
-    fn reads(&self) -> usize {
-        self.reads.load(Ordering::SeqCst)
-    }
-
-    fn read(&self) {
-        self.reads.fetch_add(1, Ordering::SeqCst);
-    }
 }
 
-impl<S: Store> Store for Counting<S> {
-    type Connection = S::Connection;
-    type Transaction = S::Transaction;
-    type PooledConnection = S::PooledConnection;
+type CountingStore = Watched<SqliteStore, Reads>;
 
-    async fn begin(&self) -> Result<Self::Transaction, StoreError> {
-        self.inner.begin().await
-    }
-
-    async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
-        self.inner.commit(tx).await
-    }
-
-    async fn limit_lock_wait(
-        &self,
-        conn: &mut Self::Connection,
-        wait: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.limit_lock_wait(conn, wait).await
-    }
-
-    async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {
-        self.inner.acquire().await
-    }
-
-    async fn acquire_for_write(&self) -> Result<Self::PooledConnection, StoreError> {
-        self.inner.acquire_for_write().await
-    }
-
-    async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
-        self.read();
-        self.inner.insert_autocommit(record).await
-    }
-
-    async fn complete_autocommit(
-        &self,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.inner
-            .complete_autocommit(id, token, response, now)
-            .await
-    }
-
-    async fn insert(
-        &self,
-        conn: &mut Self::Connection,
-        record: &NewRecord,
-    ) -> Result<Inserted, StoreError> {
-        self.read();
-        self.inner.insert(conn, record).await
-    }
-
-    async fn begin_claim(
-        &self,
-        record: &NewRecord,
-        lock_wait: Option<Duration>,
-    ) -> Result<Begun<Self::Transaction>, StoreError> {
-        self.read();
-        self.inner.begin_claim(record, lock_wait).await
-    }
-
-    async fn complete_and_commit(
-        &self,
-        tx: Self::Transaction,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<(), CommitError> {
-        self.inner
-            .complete_and_commit(tx, id, token, response, now)
-            .await
-    }
-
-    async fn fetch(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-    ) -> Result<Option<Record>, StoreError> {
-        self.read();
-        self.inner.fetch(conn, id).await
-    }
-
-    async fn replace(
-        &self,
-        conn: &mut Self::Connection,
-        record: &NewRecord,
-        token: i64,
-    ) -> Result<Option<i64>, StoreError> {
-        self.inner.replace(conn, record, token).await
-    }
-
-    async fn complete(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(conn, id, token, response, now).await
-    }
-
-    async fn renew(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-        token: i64,
-        lease_until: Timestamp,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.inner.renew(conn, id, token, lease_until, now).await
-    }
-
-    async fn mark_executing(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-        token: i64,
-        lease_until: Timestamp,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.inner
-            .mark_executing(conn, id, token, lease_until, now)
-            .await
-    }
-
-    async fn mark_indeterminate(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-        token: i64,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.inner.mark_indeterminate(conn, id, token, now).await
-    }
-
-    async fn release(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-        token: i64,
-    ) -> Result<bool, StoreError> {
-        self.inner.release(conn, id, token).await
-    }
-
-    fn eviction_notices(&self) -> Option<EvictionNotices> {
-        self.inner.eviction_notices()
+/// `store`, its reads counted.
+fn counting(store: SqliteStore) -> CountingStore {
+    Watched {
+        inner: store,
+        watch: Reads::default(),
     }
 }
-
-type CountingStore = Counting<SqliteStore>;
 
 /// The other service: counts its calls; the first is held until the test lets it go.
 #[derive(Clone)]
@@ -257,7 +106,7 @@ async fn duplicates_in_flight_wait_in_memory_and_read_the_store_once() {
     let url = format!("sqlite:{}", dir.path().join("t.db").display());
     let sqlite = SqliteStore::connect(&url).await.unwrap();
     sqlite.migrate().await.unwrap();
-    let (here, there) = (Counting::new(sqlite.clone()), Counting::new(sqlite));
+    let (here, there) = (counting(sqlite.clone()), counting(sqlite));
     let bank = Bank {
         calls: Arc::default(),
         entered: Arc::default(),
@@ -272,7 +121,7 @@ async fn duplicates_in_flight_wait_in_memory_and_read_the_store_once() {
         tokio::spawn(async move { send(&app, "hold").await })
     };
     bank.entered.notified().await;
-    let owner_reads = here.reads();
+    let owner_reads = here.watch.count();
     let spawn = |app: &Router, n| {
         (0..n)
             .map(|_| {
@@ -288,14 +137,14 @@ async fn duplicates_in_flight_wait_in_memory_and_read_the_store_once() {
     // (bounded: they give up after the 5 s in-flight wait, which fails the assertions).
     let deadline = tokio::time::Instant::now() + Duration::from_secs(4);
     while !((metrics_here.waiting_in_process() == DUPLICATES as u64
-        || here.reads() >= owner_reads + DUPLICATES)
-        && there.reads() >= 1)
+        || here.watch.count() >= owner_reads + DUPLICATES)
+        && there.watch.count() >= 1)
     {
         assert!(
             tokio::time::Instant::now() < deadline,
             "{} of {DUPLICATES} duplicates waiting in memory, {} reads elsewhere",
             metrics_here.waiting_in_process(),
-            there.reads()
+            there.watch.count()
         );
         tokio::task::yield_now().await;
     }
@@ -311,7 +160,7 @@ async fn duplicates_in_flight_wait_in_memory_and_read_the_store_once() {
         assert_eq!(body, first);
     }
     assert_eq!(
-        here.reads(),
+        here.watch.count(),
         owner_reads,
         "the duplicates of this instance never read the store"
     );

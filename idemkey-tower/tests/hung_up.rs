@@ -10,6 +10,8 @@
 //! is the test's and never moves: a lease never lapses here.
 
 mod support;
+#[path = "support/watched.rs"]
+mod watched;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -21,15 +23,13 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http::{Request, StatusCode};
-use idemkey_core::{
-    Begun, CommitError, EvictionNotices, Inserted, KeyHasher, ListFilter, NewRecord, Record,
-    RecordId, RecordState, Store, StoreAdmin, StoreError, StoredResponse, Timestamp,
-};
+use idemkey_core::{KeyHasher, ListFilter, RecordState, Store, StoreAdmin};
 use idemkey_sqlite::SqliteStore;
 use idemkey_tower::{External, IdempotencyLayer, InFlightPolicy, REPLAYED_HEADER, Tx};
 use support::ManualClock;
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tower::ServiceExt;
+use watched::{Call, Watch, Watched};
 
 /// What became of the held reservation's call.
 #[derive(Debug, PartialEq, Eq)]
@@ -67,17 +67,16 @@ impl Hold {
         (Arc::new(hold), fates)
     }
 
-    /// The first claim's result (a committed reservation, or a claim in its open
-    /// transaction), once the test lets it go; later ones at once.
-    async fn held<T>(&self, claimed: T) -> T {
+    /// Holds the first claim's answer (a committed reservation, or a claim in its open
+    /// transaction) until the test lets it go; later ones go at once.
+    async fn held(&self) {
         if !self.armed.swap(false, Ordering::SeqCst) {
-            return claimed;
+            return;
         }
         let mut fate = FateGuard(&self.fate, false);
         self.committed.notify_one();
         self.answer.acquire().await.expect("open").forget();
         fate.1 = true;
-        claimed
     }
 }
 
@@ -95,169 +94,19 @@ impl Drop for FateGuard<'_> {
     }
 }
 
-/// A store whose first claim waits, made, for the test before it answers.
-#[derive(Debug, Clone)]
-struct Held<S> {
-    inner: S,
-    hold: Arc<Hold>,
-}
-
-impl<S: Store> Store for Held<S> {
-    type Connection = S::Connection;
-    type Transaction = S::Transaction;
-    type PooledConnection = S::PooledConnection;
-
-    async fn begin(&self) -> Result<Self::Transaction, StoreError> {
-        self.inner.begin().await
-    }
-
-    async fn commit(&self, tx: Self::Transaction) -> Result<(), StoreError> {
-        self.inner.commit(tx).await
-    }
-
-    async fn limit_lock_wait(
-        &self,
-        conn: &mut Self::Connection,
-        wait: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.limit_lock_wait(conn, wait).await
-    }
-
-    async fn acquire(&self) -> Result<Self::PooledConnection, StoreError> {
-        self.inner.acquire().await
-    }
-
-    async fn acquire_for_write(&self) -> Result<Self::PooledConnection, StoreError> {
-        self.inner.acquire_for_write().await
-    }
-
-    async fn insert_autocommit(&self, record: &NewRecord) -> Result<Inserted, StoreError> {
-        let inserted = self.inner.insert_autocommit(record).await;
-        self.hold.held(inserted).await
-    }
-
-    async fn complete_autocommit(
-        &self,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        let done = self
-            .inner
-            .complete_autocommit(id, token, response, now)
-            .await;
-        self.hold.completed.notify_one();
-        done
-    }
-
-    async fn insert(
-        &self,
-        conn: &mut Self::Connection,
-        record: &NewRecord,
-    ) -> Result<Inserted, StoreError> {
-        self.inner.insert(conn, record).await
-    }
-
-    async fn begin_claim(
-        &self,
-        record: &NewRecord,
-        lock_wait: Option<Duration>,
-    ) -> Result<Begun<Self::Transaction>, StoreError> {
-        let begun = self.inner.begin_claim(record, lock_wait).await;
-        self.hold.held(begun).await
-    }
-
-    async fn complete_and_commit(
-        &self,
-        tx: Self::Transaction,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<(), CommitError> {
-        self.inner
-            .complete_and_commit(tx, id, token, response, now)
-            .await
-    }
-
-    async fn fetch(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-    ) -> Result<Option<Record>, StoreError> {
-        self.inner.fetch(conn, id).await
-    }
-
-    async fn replace(
-        &self,
-        conn: &mut Self::Connection,
-        record: &NewRecord,
-        token: i64,
-    ) -> Result<Option<i64>, StoreError> {
-        self.inner.replace(conn, record, token).await
-    }
-
-    async fn complete(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-        token: i64,
-        response: &StoredResponse,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.inner.complete(conn, id, token, response, now).await
-    }
-
-    async fn renew(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-        token: i64,
-        lease_until: Timestamp,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.inner.renew(conn, id, token, lease_until, now).await
-    }
-
-    async fn mark_executing(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-        token: i64,
-        lease_until: Timestamp,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.inner
-            .mark_executing(conn, id, token, lease_until, now)
-            .await
-    }
-
-    async fn mark_indeterminate(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-        token: i64,
-        now: Timestamp,
-    ) -> Result<bool, StoreError> {
-        self.inner.mark_indeterminate(conn, id, token, now).await
-    }
-
-    async fn release(
-        &self,
-        conn: &mut Self::Connection,
-        id: &RecordId,
-        token: i64,
-    ) -> Result<bool, StoreError> {
-        self.inner.release(conn, id, token).await
-    }
-
-    fn eviction_notices(&self) -> Option<EvictionNotices> {
-        self.inner.eviction_notices()
+/// The store's first claim waits, made, for the test before it answers; stored outcomes
+/// are told.
+impl Watch for Arc<Hold> {
+    async fn after(&self, call: Call) {
+        match call {
+            Call::InsertAutocommit | Call::BeginClaim => self.held().await,
+            Call::CompleteAutocommit => self.completed.notify_one(),
+            Call::Insert | Call::Fetch => {}
+        }
     }
 }
 
-type HeldStore = Held<SqliteStore>;
+type HeldStore = Watched<SqliteStore, Arc<Hold>>;
 
 /// The other service: counts its calls; with body `hold`, a call waits for a permit after
 /// its effect.
@@ -336,9 +185,9 @@ fn instance(
     policy: InFlightPolicy,
     clock: Arc<ManualClock>,
 ) -> Router {
-    let store = Held {
+    let store = Watched {
         inner: sqlite.clone(),
-        hold: hold.clone(),
+        watch: hold.clone(),
     };
     let layer = IdempotencyLayer::new(store, KeyHasher::new(b"a test secret of 32 bytes or more"))
         .external(Duration::from_secs(10))
@@ -487,9 +336,9 @@ async fn a_wait_for_another_process_ends_when_its_client_leaves() {
 async fn in_local_mode_a_claim_whose_client_hung_up_is_rolled_back() {
     let mut s = setup(InFlightPolicy::default(), true).await;
     let layer = IdempotencyLayer::new(
-        Held {
+        Watched {
             inner: s.sqlite.clone(),
-            hold: s.hold.clone(),
+            watch: s.hold.clone(),
         },
         KeyHasher::new(b"a test secret of 32 bytes or more"),
     )
