@@ -45,11 +45,14 @@ pub(crate) struct Ticket {
     notified: bool,
 }
 
-/// The default bound on entries.
-pub(crate) const DEFAULT_ENTRIES: usize = 100_000;
+/// The replay cache's bound on entries unless
+/// [`IdempotencyLayer::replay_cache`](crate::IdempotencyLayer::replay_cache) sets another:
+/// 100 000.
+pub const DEFAULT_ENTRIES: usize = 100_000;
 
-/// The default bound on bytes (bodies, headers and bookkeeping).
-pub(crate) const DEFAULT_BYTES: usize = 64 * 1024 * 1024;
+/// The replay cache's bound on bytes (bodies, headers and bookkeeping), whatever its entries:
+/// 64 MiB.
+pub const DEFAULT_BYTES: usize = 64 * 1024 * 1024;
 
 /// What an entry costs beyond its variable parts (the map slots, the record's fixed fields).
 const ENTRY_OVERHEAD: usize = 256;

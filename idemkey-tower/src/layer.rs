@@ -21,6 +21,18 @@ use crate::{IdempotencyService, InFlightPolicy, KeyRequirement, Metrics};
 /// Where the status resource lives; a key's URL is this prefix plus the encoded key.
 pub const STATUS_PATH: &str = "/idempotency/v1/keys";
 
+/// How long outcomes are kept and replayed unless
+/// [`IdempotencyLayer::retention`] sets another: 24 hours.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
+
+/// The largest keyed request body unless [`IdempotencyLayer::max_request_body`] sets
+/// another: 1 MiB.
+pub const DEFAULT_MAX_REQUEST_BODY: usize = 1024 * 1024;
+
+/// The largest response stored unless [`IdempotencyLayer::max_stored_response`] sets
+/// another: 1 MiB.
+pub const DEFAULT_MAX_STORED_RESPONSE: usize = 1024 * 1024;
+
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
     pub(crate) hasher: KeyHasher,
@@ -135,10 +147,10 @@ impl<S> IdempotencyLayer<S> {
                 previous_hasher: None,
                 requirement: KeyRequirement::Required,
                 in_flight: InFlightPolicy::default(),
-                retention: Duration::from_secs(24 * 3600),
+                retention: DEFAULT_RETENTION,
                 first_sent: FirstSentPolicy::default(),
-                max_request_body: 1024 * 1024,
-                max_stored_response: 1024 * 1024,
+                max_request_body: DEFAULT_MAX_REQUEST_BODY,
+                max_stored_response: DEFAULT_MAX_STORED_RESPONSE,
                 stored_headers: Vec::new(),
                 fingerprint: FingerprintSpec::default(),
                 metrics: Metrics::new(),

@@ -38,10 +38,16 @@ mod service;
 mod status;
 mod tx;
 
-pub use self::cache::UNNOTIFIED_BOUND as REPLAY_CACHE_UNNOTIFIED_BOUND;
+pub use self::cache::{
+    DEFAULT_BYTES as REPLAY_CACHE_MAX_BYTES, DEFAULT_ENTRIES as REPLAY_CACHE_DEFAULT_ENTRIES,
+    UNNOTIFIED_BOUND as REPLAY_CACHE_UNNOTIFIED_BOUND,
+};
 pub use self::clock::SystemClock;
 pub use self::external::External;
-pub use self::layer::{IdempotencyLayer, STATUS_PATH};
+pub use self::layer::{
+    DEFAULT_MAX_REQUEST_BODY, DEFAULT_MAX_STORED_RESPONSE, DEFAULT_RETENTION, IdempotencyLayer,
+    STATUS_PATH,
+};
 pub use self::metrics::{Metrics, Outcome};
 pub use self::policy::{InFlightPolicy, KeyRequirement};
 pub use self::problem::{
