@@ -6,13 +6,15 @@
 //! directory of their own for `%d`, with the real `idemkey` in place of the unit's path, a
 //! SQLite file for the database and a free loopback port for `--listen` (the gateway's
 //! `--upstream` is a counting upstream on loopback). It must listen, answer `GET /healthz`
-//! 200, and on the unit's `KillSignal` exit 0 within its `TimeoutStopSec`. A flag the binary
-//! does not have stops it before it listens, and a variable in an environment file that the
-//! command does not read is refused by name: either fails the test.
+//! 200 (the gateway then forwards a keyed write once), and on the unit's `KillSignal` exit 0
+//! within its `TimeoutStopSec`. A flag the binary does not have stops it before it listens,
+//! and a variable in an environment file that the command does not read is refused by name:
+//! either fails the test.
 //!
 //! Where `systemd-analyze` is installed, each unit (its binary path pointed at the real one)
 //! must also pass `systemd-analyze verify` without a warning; where it is not (a container
-//! without systemd), that check is skipped and the run above is the test.
+//! without systemd), that check is skipped and the run above is the test. The lines
+//! `docs/guide/deployment.md` quotes from a unit must be lines of it.
 
 mod common;
 
@@ -343,6 +345,36 @@ async fn the_gateway_unit_starts_forwards_and_stops_on_its_signal() {
     assert_eq!(answer.status(), 201, "stderr:\n{}", gateway.log());
     assert_eq!(upstream.effects("unit-1"), 1);
     gateway.stop().await;
+}
+
+/// The lines the deployment guide quotes from the units are lines of those units: each `ini`
+/// block that starts `# contrib/systemd/NAME` quotes NAME.
+#[test]
+fn the_guide_quotes_the_units_as_they_are() {
+    let guide = contrib().join("../../docs/guide/deployment.md");
+    let text = std::fs::read_to_string(&guide).expect("read docs/guide/deployment.md");
+    let mut quoted = 0;
+    for block in text.split("```ini\n").skip(1) {
+        let block = block.split("```").next().expect("a block");
+        let mut lines = block.lines();
+        let Some(name) = lines
+            .next()
+            .and_then(|l| l.strip_prefix("# contrib/systemd/"))
+        else {
+            continue;
+        };
+        let unit = std::fs::read_to_string(contrib().join(name))
+            .unwrap_or_else(|e| panic!("the guide quotes {name}: {e}"));
+        let unit: Vec<&str> = unit.lines().map(str::trim).collect();
+        for line in lines.map(str::trim).filter(|l| !l.is_empty()) {
+            assert!(
+                unit.contains(&line),
+                "docs/guide/deployment.md quotes {line:?}, which {name} does not have"
+            );
+            quoted += 1;
+        }
+    }
+    assert!(quoted > 0, "the guide quotes no unit");
 }
 
 /// The directories of `PATH` that hold `program`.
