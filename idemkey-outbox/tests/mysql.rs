@@ -6,6 +6,7 @@ mod support;
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use idemkey_core::outbox::{Message, MessageState, OutboxStore};
@@ -16,13 +17,26 @@ use tokio::sync::Barrier;
 
 use support::{all_messages, enqueue_many, fresh_mysql};
 
-/// Claims batches until a round finds nothing due, with a lease that outlasts the test:
-/// every id this relay claimed, in the order it claimed them.
-async fn claim_until_empty(store: MySqlStore, relay: String, start: Arc<Barrier>) -> Vec<String> {
+/// Claims batches in rounds, both relays at once in each round (`round` is their barrier),
+/// until every one of the `total` messages is claimed (`done` counts both relays' claims; a
+/// round can be empty while messages remain, when the claim lost with 1213): every id this
+/// relay claimed, in the order it claimed them.
+async fn claim_in_rounds(
+    store: MySqlStore,
+    relay: String,
+    round: Arc<Barrier>,
+    done: Arc<AtomicUsize>,
+    total: usize,
+) -> Vec<String> {
     let mut conn = store.acquire().await.unwrap();
     let mut claimed = Vec::new();
-    start.wait().await;
-    loop {
+    for _ in 0..10_000 {
+        // Both relays have counted the last round's claims once they pass the barrier, so
+        // both read the same count and stop together.
+        round.wait().await;
+        if done.load(Ordering::SeqCst) == total {
+            return claimed;
+        }
         let now = Timestamp::now();
         let batch = store
             .claim_due(
@@ -34,16 +48,14 @@ async fn claim_until_empty(store: MySqlStore, relay: String, start: Arc<Barrier>
             )
             .await
             .unwrap();
-        if batch.is_empty() {
-            return claimed;
-        }
+        done.fetch_add(batch.len(), Ordering::SeqCst);
         for message in batch {
             assert_eq!(message.claimed_by.as_deref(), Some(relay.as_str()));
             assert_eq!(message.attempts, 1, "{} claimed before", message.id);
             claimed.push(message.id);
         }
-        tokio::task::yield_now().await;
     }
+    panic!("relay {relay}: messages left unclaimed after 10 000 rounds");
 }
 
 /// Two relays, each on a pool of its own, claim from one table at the same time: between
@@ -57,9 +69,15 @@ async fn two_relays_on_their_own_pools_claim_each_message_once_per_lease() {
         .into_iter()
         .collect();
     let second = MySqlStore::connect(&url, 4).await.unwrap();
-    let start = Arc::new(Barrier::new(2));
-    let a = tokio::spawn(claim_until_empty(first.clone(), "a".into(), start.clone()));
-    let b = tokio::spawn(claim_until_empty(second, "b".into(), start));
+    let (round, done) = (Arc::new(Barrier::new(2)), Arc::new(AtomicUsize::new(0)));
+    let a = tokio::spawn(claim_in_rounds(
+        first.clone(),
+        "a".into(),
+        round.clone(),
+        done.clone(),
+        N,
+    ));
+    let b = tokio::spawn(claim_in_rounds(second, "b".into(), round, done, N));
     let (a, b) = (a.await.unwrap(), b.await.unwrap());
     let (in_a, in_b): (HashSet<_>, HashSet<_>) =
         (a.iter().cloned().collect(), b.iter().cloned().collect());
