@@ -9,24 +9,10 @@ use common::gateway::{Gateway, Upstream};
 use common::{Backend, TOKEN1, e2e_scenarios, idemkey_cli, payment};
 use futures::future::join_all;
 
-// The scenarios the other stores run (races, a graceful shutdown, the contract, `keys list`,
-// `keys show` and `keys evict`), on a fresh database each. Not yet `crash_kill9_then_retry`:
-// its wait for a transaction open inside the server (`information_schema.innodb_trx`) sees
-// none within its 1.4 s window on MariaDB.
-e2e_scenarios!(@tests common::Backend::mysql();
-    race_200_keys_16_concurrent,
-    race_reject_policy,
-    graceful_shutdown_sigterm,
-    contract_key_reuse_and_invalid_keys,
-    contract_tenants_are_separate,
-    contract_declined_is_stored_and_replayed,
-    contract_retention_expiry,
-    contract_equivalent_bodies_replay,
-    contract_refused_bodies_leave_the_key_free,
-    contract_auth_status_and_metrics,
-    operator_keys_commands,
-    lock_wait_behind_another_key,
-);
+// The scenarios the other stores run (races, `kill -9` and a graceful shutdown with requests
+// in flight, the contract, `keys list`, `keys show` and `keys evict`), on a fresh database
+// each.
+e2e_scenarios!(common::Backend::mysql());
 
 /// Three processes on one database race for the same keys.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -183,7 +183,8 @@ impl Backend {
 
     /// How many transactions on this database are open now (the handlers sleeping in
     /// `--simulate-latency` inside theirs). PostgreSQL: the sessions idle in a transaction.
-    /// MySQL: InnoDB's transactions of the database's sessions.
+    /// MySQL: the claims not yet committed, the records a dirty read sees beyond those a
+    /// committed read sees.
     /// SQLite, whose writers take one lock: 1 while a writer holds it, told by a
     /// `BEGIN IMMEDIATE` that is refused at once, else 0.
     pub(crate) async fn open_transactions(&self) -> i64 {
@@ -233,19 +234,32 @@ impl Backend {
                 n
             }
             Kind::MySql => {
+                // Not InnoDB's list of transactions (`information_schema.innodb_trx`): it is
+                // a snapshot that InnoDB refreshes only when nobody has read it for 0.1 s,
+                // so a probe asking more often than that reads its first answer forever.
+                // Every handler's transaction begins with its claim, so its open
+                // transactions are the records not yet committed. The dirty read comes
+                // first: a commit between the two reads makes the count smaller, never
+                // larger.
                 let pool = self.mysql_pool().await;
-                // InnoDB's open transactions of this database's sessions (the server is
-                // shared by the test binary's other databases).
-                let n: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM information_schema.innodb_trx AS t
-                       JOIN information_schema.processlist AS p ON p.id = t.trx_mysql_thread_id
-                      WHERE p.db = DATABASE()",
-                )
-                .fetch_one(&pool)
-                .await
-                .expect("read innodb_trx");
+                let mut conn = pool.acquire().await.expect("a MySQL connection");
+                let mut records = [0i64; 2];
+                for (n, level) in records.iter_mut().zip([
+                    "SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED",
+                    "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+                ]) {
+                    sqlx::raw_sql(level)
+                        .execute(&mut *conn)
+                        .await
+                        .expect("set the isolation level");
+                    *n = sqlx::query_scalar("SELECT count(*) FROM idemkey_records")
+                        .fetch_one(&mut *conn)
+                        .await
+                        .expect("count idemkey_records");
+                }
+                drop(conn);
                 pool.close().await;
-                n
+                (records[0] - records[1]).max(0)
             }
         }
     }
