@@ -689,6 +689,9 @@ impl Kit {
     fn install(&self, node: &Node) -> Result<(), String> {
         let dir = self.node_dir(node);
         create_dir(&dir, self.run_as.as_ref())?;
+        // Its own directory for temporary tables: installs running at once in the shared
+        // /tmp removed each other's, and one failed (`Unknown table 'mysql.tmp_user_sys'`).
+        create_dir(&dir.join("tmp"), self.run_as.as_ref())?;
         let setup = dir.join("setup.sql");
         // In bootstrap mode the grant tables are loaded by FLUSH PRIVILEGES.
         std::fs::write(
@@ -706,6 +709,7 @@ impl Kit {
         install
             .arg("--no-defaults")
             .arg(format!("--datadir={}", dir.join("data").display()))
+            .arg(format!("--tmpdir={}", dir.join("tmp").display()))
             .arg("--skip-test-db")
             .arg(format!("--extra-file={}", setup.display()))
             .args(SETTINGS.iter().map(|s| format!("--{s}")))
@@ -736,9 +740,11 @@ impl Kit {
     /// (a Galera node's settings) if any.
     fn write_config(&self, node: &Node, wsrep: Option<Vec<String>>) -> Result<(), String> {
         let dir = self.node_dir(node);
+        create_dir(&dir.join("tmp"), self.run_as.as_ref())?;
         let mut lines = vec![
             "[mariadbd]".to_owned(),
             format!("datadir={}", dir.join("data").display()),
+            format!("tmpdir={}", dir.join("tmp").display()),
             format!("socket={}", dir.join("mariadb.sock").display()),
             format!("pid-file={}", dir.join("mariadb.pid").display()),
             format!("port={}", node.port),
