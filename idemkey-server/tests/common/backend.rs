@@ -52,6 +52,9 @@ pub(crate) struct Backend {
     /// The SQLite file and the servers' logs.
     pub(super) dir: tempfile::TempDir,
     pub(super) started: AtomicUsize,
+    /// The same database on each node of a cluster: the n-th server started runs on node
+    /// n mod their count (none: every server on `url`).
+    pub(super) nodes: Vec<String>,
 }
 
 impl Backend {
@@ -65,6 +68,7 @@ impl Backend {
             url,
             dir,
             started: AtomicUsize::new(0),
+            nodes: Vec::new(),
         }
     }
 
@@ -79,6 +83,7 @@ impl Backend {
             url,
             dir: tempfile::tempdir().expect("temporary directory"),
             started: AtomicUsize::new(0),
+            nodes: Vec::new(),
         }
     }
 
@@ -110,6 +115,17 @@ impl Backend {
             url,
             dir: tempfile::tempdir().expect("temporary directory"),
             started: AtomicUsize::new(0),
+            nodes: Vec::new(),
+        }
+    }
+
+    /// The MySQL database that `nodes` name, one URL per node of a Galera cluster: the n-th
+    /// server started runs on node n mod their count; the test reads on the first.
+    pub(crate) fn galera(nodes: Vec<String>) -> Self {
+        let first = nodes.first().expect("at least one node").clone();
+        Self {
+            nodes,
+            ..Self::mysql_at(first)
         }
     }
 
@@ -128,7 +144,10 @@ impl Backend {
     pub(crate) async fn start(&self, extra: &[&str]) -> Server {
         let n = self.started.fetch_add(1, Ordering::SeqCst);
         let log = self.dir.path().join(format!("server-{n}.log"));
-        let url = self.url.clone();
+        let url = match self.nodes.len() {
+            0 => self.url.clone(),
+            count => self.nodes[n % count].clone(),
+        };
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
         tokio::task::spawn_blocking(move || Server::spawn(&url, &extra, log))
             .await
@@ -144,13 +163,14 @@ impl Backend {
             .expect("connect to PostgreSQL")
     }
 
-    /// A one-connection pool to the MySQL database.
+    /// A one-connection pool to the MySQL database, its reads causal on a Galera node (they
+    /// wait for every write the cluster committed before them), as the store's are.
     async fn mysql_pool(&self) -> sqlx::MySqlPool {
-        sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(1)
-            .connect(&self.direct)
+        idemkey_mysql::MySqlStore::connect(&self.direct, 1)
             .await
             .expect("connect to MySQL")
+            .pool()
+            .clone()
     }
 
     /// What the database holds, read directly with sqlx.

@@ -262,6 +262,7 @@ impl super::Backend {
             url,
             dir: tempfile::tempdir().expect("temporary directory"),
             started: std::sync::atomic::AtomicUsize::new(0),
+            nodes: Vec::new(),
         }
     }
 

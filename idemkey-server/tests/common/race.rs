@@ -228,9 +228,10 @@ pub(crate) async fn race_reject_policy(backend: Backend) {
     backend.snapshot().await.assert_consistent(KEYS);
 }
 
-/// PostgreSQL: three `idemkey serve` processes on one database (started together, so their
-/// migrations and the shared key-hashing secret race too), 200 keys × 16 requests spread
-/// round-robin over them: exactly 200 payments, identical bodies per key, no 409.
+/// Three `idemkey serve` processes on one database (started together, so their migrations
+/// and the shared key-hashing secret race too; on a cluster, each on its own node), 200 keys
+/// × 16 requests spread round-robin over them: exactly 200 payments, identical bodies per
+/// key, no 409, no 5xx; over the three, 200 executions and every other request a replay.
 pub(crate) async fn race_across_three_processes(backend: Backend) {
     const KEYS: usize = 200;
     const COPIES: usize = 16;
@@ -261,12 +262,19 @@ pub(crate) async fn race_across_three_processes(backend: Backend) {
     for api in &apis {
         assert_eq!(api.total(TOKEN1).await, KEYS as i64, "payments");
     }
-    let mut executed = 0;
+    let mut sums = [0; 3];
     for api in &apis {
-        executed += api
-            .metric("idemkey_requests_total{outcome=\"executed\"}")
-            .await;
+        for (sum, series) in sums.iter_mut().zip([
+            "idemkey_requests_total{outcome=\"executed\"}",
+            "idemkey_requests_total{outcome=\"replayed\"}",
+            "idemkey_attempts_total",
+        ]) {
+            *sum += api.metric(series).await;
+        }
     }
+    let [executed, replayed, attempts] = sums;
     assert_eq!(executed, KEYS as u64, "executions over the three processes");
+    assert_eq!(replayed, (KEYS * (COPIES - 1)) as u64, "replays");
+    assert_eq!(attempts, (KEYS * COPIES) as u64, "attempts");
     backend.snapshot().await.assert_consistent(KEYS);
 }
