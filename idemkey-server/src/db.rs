@@ -778,8 +778,10 @@ mod mysql_sql {
          VALUES (?, ?, ?, ?, ?)";
     /// The payment that holds a tenant's reference: a locking read, which sees the latest
     /// committed row whatever the transaction's snapshot (REPEATABLE READ's began before).
+    /// By the unique index's columns: `reference_tenant` is the tenant of a payment with a
+    /// reference (migration 0003).
     pub(super) const PAYMENT_BY_REFERENCE: &str =
-        "SELECT id FROM payments WHERE tenant = ? AND reference = ? LOCK IN SHARE MODE";
+        "SELECT id FROM payments WHERE reference_tenant = ? AND reference = ? LOCK IN SHARE MODE";
     pub(super) const PAYMENT: &str = concat!(
         "SELECT ",
         payment_columns!(),
