@@ -1,5 +1,5 @@
-//! The Markdown pages users read, for the tests that check them: the README and every page
-//! under `docs/`, however deep.
+//! The Markdown pages users read, for the tests that check them: the README, the
+//! contributors' guide and every page under `docs/`, however deep.
 
 use std::path::{Path, PathBuf};
 
@@ -11,7 +11,7 @@ pub(crate) fn root() -> PathBuf {
         .to_owned()
 }
 
-/// The README, then every `.md` under `docs/`, sorted.
+/// The README and `CONTRIBUTING.md`, then every `.md` under `docs/`, sorted.
 pub(crate) fn pages() -> Vec<PathBuf> {
     let mut docs = Vec::new();
     let mut dirs = vec![root().join("docs")];
@@ -26,5 +26,9 @@ pub(crate) fn pages() -> Vec<PathBuf> {
         }
     }
     docs.sort();
-    [vec![root().join("README.md")], docs].concat()
+    [
+        vec![root().join("README.md"), root().join("CONTRIBUTING.md")],
+        docs,
+    ]
+    .concat()
 }
