@@ -50,6 +50,15 @@ fn root() -> PathBuf {
         .to_owned()
 }
 
+/// The target directory this test was built in (`target/`, or `CARGO_TARGET_DIR`), where the
+/// workspace's dependencies are.
+fn target_dir() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .expect("the target directory holds tmp/")
+        .to_owned()
+}
+
 /// A marked code block of the page.
 struct Block {
     kind: String,
@@ -148,7 +157,7 @@ fn sh(script: &str, dir: &Path, database_url: &str) -> Command {
         .stdin(Stdio::null())
         .env("PATH", path)
         .env("DATABASE_URL", database_url)
-        .env("CARGO_TARGET_DIR", root().join("target"))
+        .env("CARGO_TARGET_DIR", target_dir())
         .env("CARGO_NET_OFFLINE", "true")
         .env("PSQLRC", "/dev/null");
     for proxy in ["http_proxy", "https_proxy", "all_proxy"] {
