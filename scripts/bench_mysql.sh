@@ -19,7 +19,7 @@
 #   scripts/bench_mysql.sh [REQUESTS] [CONCURRENCY]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REQUESTS=${1:-3000}
+REQUESTS=${1:-20000}
 CONCURRENCY=${2:-32}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
