@@ -43,22 +43,6 @@ async fn cluster() -> &'static RwLock<GaleraCluster> {
     .expect("cluster")
 }
 
-/// A fresh database on the cluster: its URL on each node.
-fn fresh_database(cluster: &GaleraCluster) -> Vec<String> {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let name = format!("g{}", NEXT.fetch_add(1, Ordering::Relaxed));
-    cluster
-        .query(0, &format!("CREATE DATABASE {name}"))
-        .expect("create database");
-    (0..cluster.size())
-        .map(|i| {
-            let url = cluster.node_url(i);
-            let (server, _) = url.rsplit_once('/').expect("a database in the URL");
-            format!("{server}/{name}")
-        })
-        .collect()
-}
-
 struct GaleraHarness {
     /// The store on node 0, the one the conformance suite runs on.
     store: MySqlStore,
@@ -74,7 +58,7 @@ impl GaleraHarness {
     /// A migrated store on node 0 of a fresh database, sharing the cluster.
     async fn new() -> Self {
         let shared = cluster().await.read().await;
-        let urls = tokio::task::block_in_place(|| fresh_database(&shared));
+        let urls = tokio::task::block_in_place(|| shared.fresh_database());
         Self::on(urls, Some(shared)).await
     }
 
@@ -452,7 +436,7 @@ async fn a_node_killed_under_load_loses_no_acknowledged_claim() {
     const KEYS_EACH: usize = 30;
     const KEYS: usize = CLIENTS * KEYS_EACH;
     let mut cluster = cluster().await.write().await;
-    let urls = tokio::task::block_in_place(|| fresh_database(&cluster));
+    let urls = tokio::task::block_in_place(|| cluster.fresh_database());
     let h = GaleraHarness::on(urls, None).await;
     let mut stores = Vec::new();
     for i in 0..3 {

@@ -32,22 +32,6 @@ async fn cluster() -> &'static RwLock<GaleraCluster> {
     .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
 }
 
-/// A fresh database on the cluster: its URL on each node.
-fn fresh_database(cluster: &GaleraCluster) -> Vec<String> {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let name = format!("e2e{}", NEXT.fetch_add(1, Ordering::Relaxed));
-    cluster
-        .query(0, &format!("CREATE DATABASE {name}"))
-        .expect("create database");
-    (0..cluster.size())
-        .map(|i| {
-            let url = cluster.node_url(i);
-            let (server, _) = url.rsplit_once('/').expect("a database in the URL");
-            format!("{server}/{name}")
-        })
-        .collect()
-}
-
 /// `idemkey migrate` on the database at `url`: once, before several servers start on a
 /// cluster's nodes, whose migrations' named lock holds on one node only.
 async fn migrate(url: &str) {
@@ -64,7 +48,7 @@ async fn migrate(url: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_keys_sixteen_requests_through_three_serves_on_three_nodes() {
     let shared = cluster().await.read().await;
-    let nodes = tokio::task::block_in_place(|| fresh_database(&shared));
+    let nodes = tokio::task::block_in_place(|| shared.fresh_database());
     migrate(&nodes[0]).await;
     common::race_across_three_processes(Backend::galera(nodes)).await;
 }
@@ -76,7 +60,7 @@ async fn two_hundred_keys_sixteen_requests_through_three_serves_on_three_nodes()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reference_is_taken_once_per_tenant_across_nodes() {
     let shared = cluster().await.read().await;
-    let nodes = tokio::task::block_in_place(|| fresh_database(&shared));
+    let nodes = tokio::task::block_in_place(|| shared.fresh_database());
     migrate(&nodes[0]).await;
     let backend = Backend::galera(nodes);
     let (a, b) = futures::join!(backend.start(&[]), backend.start(&[]));
@@ -153,7 +137,7 @@ async fn a_node_killed_under_load_loses_no_acknowledged_payment() {
     const KEYS_EACH: usize = 30;
     const KEYS: usize = CLIENTS * KEYS_EACH;
     let mut cluster = cluster().await.write().await;
-    let nodes = tokio::task::block_in_place(|| fresh_database(&cluster));
+    let nodes = tokio::task::block_in_place(|| cluster.fresh_database());
     migrate(&nodes[0]).await;
     let backend = Backend::galera(nodes.clone());
     let args = ["--max-connections", "8"];

@@ -20,6 +20,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::postgres::{RunAs, describe_output, run_as_when_root};
@@ -125,6 +126,20 @@ impl MariaDb {
     /// `mysql://idemkey:PASSWORD@127.0.0.1:PORT/idemkey`, the same across restarts.
     pub fn url(&self) -> String {
         self.kit.url(self.node.port)
+    }
+
+    /// Creates an empty database of its own for a test (the server is shared by a test
+    /// binary's tests): its URL.
+    ///
+    /// # Panics
+    ///
+    /// When `CREATE DATABASE` fails.
+    pub fn fresh_database(&self) -> String {
+        let name = self
+            .kit
+            .create_fresh_database(self.node.port)
+            .unwrap_or_else(|e| panic!("cannot create a database: {e}"));
+        self.kit.database_url(self.node.port, &name)
     }
 
     /// The port, the same across restarts.
@@ -305,6 +320,23 @@ impl GaleraCluster {
     /// across restarts.
     pub fn node_url(&self, i: usize) -> String {
         self.kit.url(self.nodes[i].port)
+    }
+
+    /// Creates an empty database of its own for a test, on node 0 (Galera replicates the
+    /// statement to every node): its URL on each node, node 0 first.
+    ///
+    /// # Panics
+    ///
+    /// When `CREATE DATABASE` fails.
+    pub fn fresh_database(&self) -> Vec<String> {
+        let name = self
+            .kit
+            .create_fresh_database(self.nodes[0].port)
+            .unwrap_or_else(|e| panic!("cannot create a database: {e}"));
+        self.nodes
+            .iter()
+            .map(|node| self.kit.database_url(node.port, &name))
+            .collect()
     }
 
     /// The MySQL port of node `i`.
@@ -674,10 +706,23 @@ impl Kit {
     }
 
     fn url(&self, port: u16) -> String {
+        self.database_url(port, DATABASE)
+    }
+
+    fn database_url(&self, port: u16, database: &str) -> String {
         format!(
-            "mysql://{USER}:{}@127.0.0.1:{port}/{DATABASE}",
+            "mysql://{USER}:{}@127.0.0.1:{port}/{database}",
             self.password
         )
+    }
+
+    /// Creates a database no other caller in this process got, through the server on
+    /// `port`: its name.
+    fn create_fresh_database(&self, port: u16) -> Result<String, String> {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let name = format!("fresh{}", NEXT.fetch_add(1, Ordering::Relaxed));
+        self.query(port, &format!("CREATE DATABASE {name}"))?;
+        Ok(name)
     }
 
     fn node_dir(&self, node: &Node) -> PathBuf {

@@ -4,7 +4,6 @@
 #![allow(dead_code)] // Each test binary uses its part.
 
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idemkey_core::Store;
 use idemkey_mysql::MySqlStore;
@@ -28,19 +27,9 @@ pub(crate) struct MySqlHarness {
 impl MySqlHarness {
     /// A migrated store on a fresh database.
     pub(crate) async fn new() -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let url = tokio::task::spawn_blocking(|| {
-            let server = server();
-            let name = format!("t{}", NEXT.fetch_add(1, Ordering::Relaxed));
-            server
-                .query(&format!("CREATE DATABASE {name}"))
-                .expect("create database");
-            let base = server.url();
-            let (server_url, _) = base.rsplit_once('/').expect("a database in the URL");
-            format!("{server_url}/{name}")
-        })
-        .await
-        .expect("fresh database");
+        let url = tokio::task::spawn_blocking(|| server().fresh_database())
+            .await
+            .expect("fresh database");
         // Room for every claimant of the 64-way race to hold its own transaction.
         let store = MySqlStore::connect(&url, 80).await.expect("connect");
         store.migrate().await.expect("migrate");

@@ -91,16 +91,10 @@ impl Backend {
     /// first test that needs it), named by a `mysql://` URL.
     pub(crate) async fn mysql() -> Self {
         static SERVER: std::sync::OnceLock<idemkey_testkit::MariaDb> = std::sync::OnceLock::new();
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
         let url = tokio::task::spawn_blocking(|| {
-            let server = SERVER.get_or_init(idemkey_testkit::MariaDb::start);
-            let name = format!("e2e{}", NEXT.fetch_add(1, Ordering::Relaxed));
-            server
-                .query(&format!("CREATE DATABASE {name}"))
-                .expect("create database");
-            let base = server.url();
-            let (server_url, _) = base.rsplit_once('/').expect("a database in the URL");
-            format!("{server_url}/{name}")
+            SERVER
+                .get_or_init(idemkey_testkit::MariaDb::start)
+                .fresh_database()
         })
         .await
         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
