@@ -11,7 +11,9 @@
 #                   (database CPU: node 0's mariadbd only);
 #   galera-three    the same cluster, one serve per node, loaded at once by three fresh-mode
 #                   runs, their rates summed: whether write throughput grows with the nodes
-#                   (database CPU: the three nodes, per request of the three runs).
+#                   (database CPU: the three nodes, per request of the three runs), with the
+#                   time Galera's flow control paused replication and the certification
+#                   failures meanwhile; their payments are counted together, once each.
 #
 # Loopback only; each load bounded by --requests and --duration. Needs mariadb-server,
 # galera-4 and rsync (docs/guide/getting-started.md). About 3 minutes on 2 cores.
@@ -57,6 +59,18 @@ stop_mariadb() {
   wait "$MARIADB_PID" || true
 }
 
+# wsrep_status URL: the Galera counters that tell why writes on several nodes go no faster
+# (`name<TAB>value` lines), read with the `mariadb` client as the URL's user.
+wsrep_status() {
+  local rest=${1#mysql://} user password port
+  user=${rest%%:*} rest=${rest#*:}
+  password=${rest%%@*} rest=${rest#*@}
+  port=${rest%%/*} port=${port##*:}
+  MYSQL_PWD=$password mariadb --no-defaults --protocol=TCP --host=127.0.0.1 --port="$port" \
+    --user="$user" --batch --skip-column-names --execute "SHOW GLOBAL STATUS WHERE Variable_name IN
+      ('wsrep_flow_control_paused_ns', 'wsrep_local_cert_failures', 'wsrep_local_bf_aborts')"
+}
+
 # bench LABEL MODE SERVER_URL SERVER_PID DATABASE_PID [ARGUMENTS]: one `idemkey bench` run,
 # its JSON in $OUT/LABEL-MODE.json.
 bench() {
@@ -92,6 +106,8 @@ done
 # duplicates: they count none, and the payments made are checked against their sum below.
 payments() { curl -sf -H "Authorization: Bearer tok_bench" "${SERVE_URLS[0]}/v1/payments?limit=1"; }
 before=$(payments)
+for i in 0 1 2; do wsrep_status "${DB_URLS[$i]}" >"$WORK/wsrep-before-$i"; done
+loads_started=$(date +%s%N)
 LOADS=()
 for i in 0 1 2; do
   bench "galera-three-node$i" fresh "${SERVE_URLS[$i]}" "${SERVE_PIDS[$i]}" "${DB_PIDS[$i]}" \
@@ -99,6 +115,8 @@ for i in 0 1 2; do
   LOADS+=("$!")
 done
 for p in "${LOADS[@]}"; do wait "$p"; done
+loads_took=$(($(date +%s%N) - loads_started))
+for i in 0 1 2; do wsrep_status "${DB_URLS[$i]}" >"$WORK/wsrep-after-$i"; done
 after=$(payments)
 kill "${SERVE_PIDS[@]}"
 wait "${SERVE_PIDS[@]}" 2>/dev/null || true
@@ -110,9 +128,9 @@ took=$(($(date +%s) - started))
   echo
   python3 scripts/lib/bench_report.py "$OUT" mariadb galera-one
   echo
-  python3 - "$OUT" "$before" "$after" <<'PY'
+  python3 - "$OUT" "$before" "$after" "$WORK" "$loads_took" <<'PY'
 import json, os, sys
-out = sys.argv[1]
+out, work, loads_took = sys.argv[1], sys.argv[4], int(sys.argv[5]) / 1e9
 made = json.loads(sys.argv[3])["total"] - json.loads(sys.argv[2])["total"]
 load = lambda label: json.load(open(os.path.join(out, f"{label}.json")))
 phase = lambda run, name: next(p for p in run["phases"] if p["name"] == name)
@@ -131,14 +149,23 @@ def summed(name):
             f" database {cpu('database_cpu_us_per_request'):.0f}"), rate
 keyed, keyed_rate = summed("fresh")
 unkeyed, unkeyed_rate = summed("baseline")
-one = phase(load("galera-one-fresh"), "fresh")["requests_per_second"]
+one = {name: phase(load("galera-one-fresh"), name)["requests_per_second"] for name in ("baseline", "fresh")}
 # Each 2xx made one payment, but for a replay.
 expected = sum(sum(n for status, n in p["statuses"].items() if status.startswith("2")) - p["replayed"]
                for run in runs for p in run["phases"])
 print("galera-three: three serves, one per node, loaded at once; rates summed")
 print(f"  unkeyed {unkeyed}")
 print(f"  keyed   {keyed}")
-print(f"  keyed / unkeyed {keyed_rate / unkeyed_rate:.3f}; keyed, three serves / one {keyed_rate / one:.2f}")
+print(f"  keyed / unkeyed {keyed_rate / unkeyed_rate:.3f}; three serves / one (galera-one):"
+      f' unkeyed {unkeyed_rate / one["baseline"]:.2f}, keyed {keyed_rate / one["fresh"]:.2f}')
+def wsrep(when, i):
+    lines = open(os.path.join(work, f"wsrep-{when}-{i}")).read().split("\n")
+    return {name: int(value) for name, value in (l.split("\t") for l in lines if l)}
+grew = lambda name, i: wsrep("after", i)[name] - wsrep("before", i)[name]
+paused = grew("wsrep_flow_control_paused_ns", 0) / 1e9
+print(f"  flow control paused replication {paused:.1f} s of the loads' {loads_took:.1f} s;"
+      f' certification failures {sum(grew("wsrep_local_cert_failures", i) for i in range(3))},'
+      f' brute-force aborts {sum(grew("wsrep_local_bf_aborts", i) for i in range(3))}')
 print(f"  payments: {made} made, {expected} expected")
 if made != expected:
     sys.exit("bench_mysql.sh: the three runs made a payment twice, or lost one")
