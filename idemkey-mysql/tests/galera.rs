@@ -417,6 +417,48 @@ async fn reservations_of_one_key_on_three_nodes_have_one_owner() {
     }
 }
 
+/// Three processes starting at once on three nodes of a fresh database, five times over: each
+/// runs the migrations, one after another under a lock the whole cluster sees, and each run
+/// succeeds; every migration is applied once, whole. (A node's own named lock let two nodes
+/// run migration 1 at once, and one of them failed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stores_on_three_nodes_migrating_one_fresh_database_at_once_all_succeed() {
+    let shared = cluster().await.read().await;
+    for round in 0..5 {
+        let urls = tokio::task::block_in_place(|| shared.fresh_database());
+        let barrier = Arc::new(tokio::sync::Barrier::new(urls.len()));
+        let mut runs = Vec::new();
+        for url in &urls {
+            let store = MySqlStore::connect(url, 2).await.expect("connect");
+            let barrier = barrier.clone();
+            runs.push(tokio::spawn(async move {
+                barrier.wait().await;
+                store.migrate().await
+            }));
+        }
+        for (node, run) in runs.into_iter().enumerate() {
+            if let Err(e) = run.await.expect("the run") {
+                panic!("round {round}: the run on node {node} failed: {e}");
+            }
+        }
+        let applied: Vec<(i64, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT version, success FROM {} ORDER BY version",
+            MySqlStore::MIGRATIONS_TABLE
+        )))
+        .fetch_all(&causal(&urls[2]).await)
+        .await
+        .expect("the tracking table");
+        let expected: Vec<(i64, bool)> = MySqlStore::migrator()
+            .iter()
+            .map(|m| (m.version, true))
+            .collect();
+        assert_eq!(
+            applied, expected,
+            "round {round}: each migration applied once, whole"
+        );
+    }
+}
+
 /// Whether `e` is an answer a client retries, on the next node that runs: its node is gone
 /// (503 store-unavailable, or the commit's outcome unknown), or its transaction was rolled
 /// back by the cluster as the node left and nothing took the key (503 store-busy).

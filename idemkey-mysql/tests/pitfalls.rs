@@ -10,9 +10,12 @@ use std::time::Duration;
 use common::{MySqlHarness, one_at_a_time};
 use idemkey_core::protocol::{self, Claim, ClaimOutcome};
 use idemkey_core::{IdempotencyKey, KeyHasher, Scope, Store, Timestamp};
-use idemkey_mysql::MySqlStore;
+use idemkey_mysql::{MigrationError, MySqlStore};
 use idemkey_testkit::Harness;
 use idemkey_testkit::conformance::{begin_owned, json_fp, response, run_once_on};
+use sqlx::SqlSafeStr;
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::mysql::MySqlPool;
 
 fn claim_of(tenant: &str, key: &str) -> Claim {
     let key = IdempotencyKey::parse(key.as_bytes()).expect("key");
@@ -265,7 +268,7 @@ async fn a_response_larger_than_max_allowed_packet_commits_nothing() {
 }
 
 /// Processes starting at once on a fresh database each run the migrations, one after
-/// another under the database's named lock: every run succeeds and each migration is
+/// another under the database's migration lock: every run succeeds and each migration is
 /// applied once (sqlx's own lock, whose answer it does not read, let them run together and
 /// the others stop on a migration found half applied).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -308,4 +311,146 @@ async fn stores_migrating_one_fresh_database_at_once_all_succeed() {
         .map(|m| (m.version, true))
         .collect();
     assert_eq!(applied, expected, "each migration applied once, whole");
+}
+
+/// Waits until a session waits for the named lock of [`GATE`].
+async fn until_at_the_gate(admin: &MySqlPool) {
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.processlist WHERE info = ?",
+        )
+        .bind(GATE)
+        .fetch_one(admin)
+        .await
+        .expect("the process list");
+        if waiting > 0 {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+/// A migration of the application's that waits for a named lock the test holds (named
+/// locks are the server's: no other test takes this one).
+const GATE: &str = "DO GET_LOCK('pitfalls_migration_gate', 600)";
+
+/// When the migration lock lapses, in the database's seconds.
+async fn lock_expiry(admin: &MySqlPool) -> i64 {
+    sqlx::query_scalar("SELECT expires_at FROM idemkey_migration_lock WHERE id = 1")
+        .fetch_one(admin)
+        .await
+        .expect("the lock's row")
+}
+
+/// A process running the migrations renews the lock's lease while it runs. Killed, it
+/// leaves the lock's row behind, its lease running for a minute; on the server it ran on,
+/// its connection is gone with it, and the next run takes the lock over at once. While it
+/// lived, a run waited for it and gave up when its wait ended. (Lasts a renewal, 20 s.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_migration_lock_is_renewed_and_taken_over_at_once_when_its_process_is_gone() {
+    let url = tokio::task::spawn_blocking(|| common::server().fresh_database())
+        .await
+        .expect("fresh database");
+    let admin = MySqlPool::connect(&url).await.expect("admin");
+    let mut gate = admin.acquire().await.expect("gate");
+    let closed: i64 = sqlx::query_scalar("SELECT GET_LOCK('pitfalls_migration_gate', 0)")
+        .fetch_one(&mut *gate)
+        .await
+        .expect("gate");
+    assert_eq!(closed, 1);
+    let store = MySqlStore::connect(&url, 2).await.expect("connect");
+    let running = tokio::spawn({
+        let store = store.clone();
+        async move {
+            let gated = Migrator::with_migrations(vec![Migration::new(
+                1,
+                "waits at the gate".into(),
+                MigrationType::Simple,
+                GATE.into_sql_str(),
+                false,
+            )]);
+            store.migrate_with(&[&MySqlStore::migrator(), &gated]).await
+        }
+    });
+    until_at_the_gate(&admin).await;
+    let waited = store
+        .clone()
+        .with_migration_wait(Duration::from_millis(200))
+        .migrate()
+        .await;
+    assert!(
+        matches!(waited, Err(MigrationError::Locked(wait)) if wait == Duration::from_millis(200)),
+        "{waited:?}"
+    );
+    // Renewed before the lease lapses, polled as the database's clock moves.
+    let taken = lock_expiry(&admin).await;
+    let mut polls = tokio::time::interval(Duration::from_millis(200));
+    for _ in 0..MySqlStore::MIGRATION_LEASE.as_millis() / 200 {
+        polls.tick().await;
+        if lock_expiry(&admin).await > taken {
+            break;
+        }
+    }
+    assert!(lock_expiry(&admin).await > taken, "the lease renewed");
+    // The process dies: its run is dropped, its connection closes once the server has ended
+    // the statement it ran.
+    running.abort();
+    assert!(running.await.expect_err("aborted").is_cancelled());
+    sqlx::query("DO RELEASE_LOCK('pitfalls_migration_gate')")
+        .execute(&mut *gate)
+        .await
+        .expect("open the gate");
+    // Half the lease: the lock is taken over, not waited out.
+    let taken_over = store
+        .with_migration_wait(MySqlStore::MIGRATION_LEASE / 2)
+        .migrate()
+        .await;
+    assert!(taken_over.is_ok(), "{taken_over:?}");
+    assert_eq!(lock_rows(&admin).await, 0, "the lock released");
+}
+
+/// The migration lock's rows.
+async fn lock_rows(admin: &MySqlPool) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM idemkey_migration_lock")
+        .fetch_one(admin)
+        .await
+        .expect("the lock's table")
+}
+
+/// A migration lock held from another node (a Galera cluster's) is waited for, however its
+/// holder's connection looks from here, until its lease lapses: then it is taken over at
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_lock_held_elsewhere_is_waited_for_until_it_lapses() {
+    let h = MySqlHarness::new().await;
+    sqlx::query(
+        "INSERT INTO idemkey_migration_lock (id, holder, node, connection, expires_at)
+         VALUES (1, 'elsewhere', 'another-node:3306', 7, UNIX_TIMESTAMP() + 3600)",
+    )
+    .execute(&h.admin)
+    .await
+    .expect("a lock held elsewhere");
+    let waited = h
+        .store
+        .clone()
+        .with_migration_wait(Duration::from_millis(200))
+        .migrate()
+        .await;
+    assert!(
+        matches!(waited, Err(MigrationError::Locked(_))),
+        "{waited:?}"
+    );
+    assert_eq!(lock_rows(&h.admin).await, 1, "the lock left alone");
+    sqlx::query("UPDATE idemkey_migration_lock SET expires_at = UNIX_TIMESTAMP() - 1")
+        .execute(&h.admin)
+        .await
+        .expect("the lease lapses");
+    let taken_over = h
+        .store
+        .clone()
+        .with_migration_wait(Duration::ZERO)
+        .migrate()
+        .await;
+    assert!(taken_over.is_ok(), "{taken_over:?}");
+    assert_eq!(lock_rows(&h.admin).await, 0, "the lock released");
 }
