@@ -7,8 +7,8 @@
 mod common;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -23,25 +23,7 @@ use idemkey_testkit::conformance::{json_fp, response};
 use idemkey_testkit::{GaleraCluster, Harness};
 use idemkey_tower::{IdempotencyLayer, REPLAYED_HEADER, Tx};
 use sqlx::mysql::{MySqlConnection, MySqlPool};
-use tokio::sync::{RwLock, RwLockReadGuard};
-
-/// The cluster of this test binary, started by the first test that needs it.
-async fn cluster() -> &'static RwLock<GaleraCluster> {
-    static CLUSTER: OnceLock<RwLock<GaleraCluster>> = OnceLock::new();
-    if let Some(cluster) = CLUSTER.get() {
-        return cluster;
-    }
-    tokio::task::spawn_blocking(|| {
-        CLUSTER.get_or_init(|| {
-            let started = Instant::now();
-            let cluster = GaleraCluster::start(3);
-            println!("Galera cluster of 3 started in {:?}", started.elapsed());
-            RwLock::new(cluster)
-        })
-    })
-    .await
-    .expect("cluster")
-}
+use tokio::sync::RwLockReadGuard;
 
 struct GaleraHarness {
     /// The store on node 0, the one the conformance suite runs on.
@@ -57,7 +39,7 @@ struct GaleraHarness {
 impl GaleraHarness {
     /// A migrated store on node 0 of a fresh database, sharing the cluster.
     async fn new() -> Self {
-        let shared = cluster().await.read().await;
+        let shared = GaleraCluster::shared().await.read().await;
         let urls = tokio::task::block_in_place(|| shared.fresh_database());
         Self::on(urls, Some(shared)).await
     }
@@ -423,7 +405,7 @@ async fn reservations_of_one_key_on_three_nodes_have_one_owner() {
 /// run migration 1 at once, and one of them failed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn stores_on_three_nodes_migrating_one_fresh_database_at_once_all_succeed() {
-    let shared = cluster().await.read().await;
+    let shared = GaleraCluster::shared().await.read().await;
     for round in 0..5 {
         let urls = tokio::task::block_in_place(|| shared.fresh_database());
         let barrier = Arc::new(tokio::sync::Barrier::new(urls.len()));
@@ -477,7 +459,7 @@ async fn a_node_killed_under_load_loses_no_acknowledged_claim() {
     const CLIENTS: usize = 9;
     const KEYS_EACH: usize = 30;
     const KEYS: usize = CLIENTS * KEYS_EACH;
-    let mut cluster = cluster().await.write().await;
+    let mut cluster = GaleraCluster::shared().await.write().await;
     let urls = tokio::task::block_in_place(|| cluster.fresh_database());
     let h = GaleraHarness::on(urls, None).await;
     let mut stores = Vec::new();

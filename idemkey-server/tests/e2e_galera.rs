@@ -7,30 +7,10 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
 
 use common::{Answer, Api, Backend, TOKEN1, payment};
 use idemkey_testkit::GaleraCluster;
-use tokio::sync::RwLock;
-
-/// The cluster of this test binary, started by the first test that needs it.
-async fn cluster() -> &'static RwLock<GaleraCluster> {
-    static CLUSTER: OnceLock<RwLock<GaleraCluster>> = OnceLock::new();
-    if let Some(cluster) = CLUSTER.get() {
-        return cluster;
-    }
-    tokio::task::spawn_blocking(|| {
-        CLUSTER.get_or_init(|| {
-            let started = Instant::now();
-            let cluster = GaleraCluster::start(3);
-            println!("Galera cluster of 3 started in {:?}", started.elapsed());
-            RwLock::new(cluster)
-        })
-    })
-    .await
-    .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
-}
 
 /// `idemkey migrate` on the database at `url`, as an operator may run it before the servers
 /// start (they can also migrate a fresh database themselves, started together).
@@ -48,7 +28,7 @@ async fn migrate(url: &str) {
 /// per key, every answer the winner's 201 byte for byte, no 409, no 5xx.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_keys_sixteen_requests_through_three_serves_on_three_nodes() {
-    let shared = cluster().await.read().await;
+    let shared = GaleraCluster::shared().await.read().await;
     let nodes = tokio::task::block_in_place(|| shared.fresh_database());
     common::race_across_three_processes(Backend::galera(nodes)).await;
 }
@@ -59,7 +39,7 @@ async fn two_hundred_keys_sixteen_requests_through_three_serves_on_three_nodes()
 /// naming the first; another tenant's payment may use it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reference_is_taken_once_per_tenant_across_nodes() {
-    let shared = cluster().await.read().await;
+    let shared = GaleraCluster::shared().await.read().await;
     let nodes = tokio::task::block_in_place(|| shared.fresh_database());
     migrate(&nodes[0]).await;
     let backend = Backend::galera(nodes);
@@ -136,7 +116,7 @@ async fn a_node_killed_under_load_loses_no_acknowledged_payment() {
     const CLIENTS: usize = 9;
     const KEYS_EACH: usize = 30;
     const KEYS: usize = CLIENTS * KEYS_EACH;
-    let mut cluster = cluster().await.write().await;
+    let mut cluster = GaleraCluster::shared().await.write().await;
     let nodes = tokio::task::block_in_place(|| cluster.fresh_database());
     migrate(&nodes[0]).await;
     let backend = Backend::galera(nodes.clone());

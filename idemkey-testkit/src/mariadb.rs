@@ -311,6 +311,30 @@ impl GaleraCluster {
         ))
     }
 
+    /// The three-node cluster a test binary's tests share, started by the first that asks.
+    /// A test that kills or restarts a node takes it with `write()`; the others `read()`.
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start).
+    pub async fn shared() -> &'static tokio::sync::RwLock<GaleraCluster> {
+        static CLUSTER: std::sync::OnceLock<tokio::sync::RwLock<GaleraCluster>> =
+            std::sync::OnceLock::new();
+        if let Some(cluster) = CLUSTER.get() {
+            return cluster;
+        }
+        tokio::task::spawn_blocking(|| {
+            CLUSTER.get_or_init(|| {
+                let started = std::time::Instant::now();
+                let cluster = GaleraCluster::start(3);
+                println!("Galera cluster of 3 started in {:?}", started.elapsed());
+                tokio::sync::RwLock::new(cluster)
+            })
+        })
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    }
+
     /// How many nodes the cluster has, running or not.
     pub fn size(&self) -> usize {
         self.nodes.len()
