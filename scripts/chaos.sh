@@ -5,7 +5,7 @@
 # slow_clients.rs and idemkey-client/tests/horizon.rs) one at a time with larger figures, then
 # scripts/failover.sh and scripts/retry_storm.sh, collects the
 # `CHAOS-ROW|…` line each scenario prints, and prints them as a Markdown table with the date,
-# the machine, the commit and the command: what docs/reliability.md quotes.
+# the machine, the commit and the command (its columns: docs/reliability.md, "The chaos suite").
 #
 #   CHAOS_OPS=3000          logical payments per load scenario (CI: 300 / 150 / 20)
 #   CHAOS_ITERATIONS=3      PostgreSQL restarts per restart scenario (CI: 1)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# PostgreSQL failover under load (docs/reliability.md, "Failover"). Not part of CI: it needs
+# PostgreSQL failover under load (docs/reliability.md). Not part of CI: it needs
 # pg_auto_failover (Debian package postgresql-15-auto-failover, installed with apt-get when
 # `pg_autoctl` is missing).
 #

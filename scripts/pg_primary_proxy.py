@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A TCP proxy that sends every new connection to the current PostgreSQL primary.
 
-The "documented proxy in front" of docs/reliability.md ("Failover"): `idemkey serve` uses
+The "proxy in front" of docs/guide/operating.md ("Failover"): `idemkey serve` uses
 sqlx, which cannot follow a multi-host URL with `target_session_attrs=read-write`, so
 `scripts/failover.sh` points `serve` at this proxy instead. Every ~200 ms the proxy asks the
 pg_auto_failover monitor which node is the primary (`pgautofailover.get_primary()`, through
