@@ -25,8 +25,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use clap::{CommandFactory, Parser};
 use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser};
 use idemkey_server::cli::{Cli, parse_size};
 
 mod doc_pages;
@@ -607,7 +607,9 @@ fn layer_settings() -> BTreeSet<String> {
             .chars()
             .take_while(|c| c.is_alphanumeric() || *c == '_')
             .collect();
-        let params = signature.split_once('(').map_or("", |(_, p)| p.trim_start());
+        let params = signature
+            .split_once('(')
+            .map_or("", |(_, p)| p.trim_start());
         let takes_self = params.starts_with("self") || params.starts_with("mut self");
         if takes_self && signature.ends_with("-> Self") {
             found.insert(name);
