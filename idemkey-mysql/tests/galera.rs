@@ -423,21 +423,7 @@ async fn stores_on_three_nodes_migrating_one_fresh_database_at_once_all_succeed(
                 panic!("round {round}: the run on node {node} failed: {e}");
             }
         }
-        let applied: Vec<(i64, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT version, success FROM {} ORDER BY version",
-            MySqlStore::MIGRATIONS_TABLE
-        )))
-        .fetch_all(&causal(&urls[2]).await)
-        .await
-        .expect("the tracking table");
-        let expected: Vec<(i64, bool)> = MySqlStore::migrator()
-            .iter()
-            .map(|m| (m.version, true))
-            .collect();
-        assert_eq!(
-            applied, expected,
-            "round {round}: each migration applied once, whole"
-        );
+        common::assert_migrated(&causal(&urls[2]).await, &format!("round {round}")).await;
     }
 }
 

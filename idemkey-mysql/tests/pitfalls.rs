@@ -299,18 +299,7 @@ async fn stores_migrating_one_fresh_database_at_once_all_succeed() {
         run.await.expect("the run").expect("every run succeeds");
     }
     let store = MySqlStore::connect(&url, 1).await.expect("connect");
-    let applied: Vec<(i64, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT version, success FROM {} ORDER BY version",
-        MySqlStore::MIGRATIONS_TABLE
-    )))
-    .fetch_all(store.pool())
-    .await
-    .expect("the tracking table");
-    let expected: Vec<(i64, bool)> = MySqlStore::migrator()
-        .iter()
-        .map(|m| (m.version, true))
-        .collect();
-    assert_eq!(applied, expected, "each migration applied once, whole");
+    common::assert_migrated(store.pool(), "three stores at once").await;
 }
 
 /// Waits until a session waits for the named lock of [`GATE`].

@@ -124,3 +124,23 @@ pub(crate) async fn sever(admin: &MySqlPool, mut tx: <MySqlStore as Store>::Tran
         .expect("kill");
     drop(tx);
 }
+
+/// Asserts that every one of idemkey's migrations is applied on `pool`'s database, once and
+/// whole (`context` names the case in the failure).
+pub(crate) async fn assert_migrated(pool: &MySqlPool, context: &str) {
+    let applied: Vec<(i64, bool)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT version, success FROM {} ORDER BY version",
+        MySqlStore::MIGRATIONS_TABLE
+    )))
+    .fetch_all(pool)
+    .await
+    .expect("the tracking table");
+    let expected: Vec<(i64, bool)> = MySqlStore::migrator()
+        .iter()
+        .map(|m| (m.version, true))
+        .collect();
+    assert_eq!(
+        applied, expected,
+        "{context}: each migration applied once, whole"
+    );
+}
