@@ -124,7 +124,7 @@ async fn pay(store: &PgStore, keyed: bool) -> anyhow::Result<()> {
         body,
     };
     store
-        .complete_and_commit(tx, &record.id, 1, &response, Timestamp::now())
+        .complete_and_commit(tx, &record.id, record.token, &response, Timestamp::now())
         .await?;
     Ok(())
 }
