@@ -12,6 +12,8 @@
 # own database, loaded by this build's `idemkey bench`), labelled `<store>-before`, so a
 # change is measured against what it replaced on the same machine minutes apart.
 #
+# IDEMKEY_BIN=PATH measures that `idemkey` binary instead of building this checkout.
+#
 # SCALE=1 then runs scripts/bench_scale.sh (the 10^7-record scale run and the purge under
 # load: tens of minutes and ~14 GB of disk), with SCALE_ARGS as its arguments
 # ("[LARGE] [SMALL] [REQUESTS] [CONCURRENCY]", e.g. SCALE_ARGS="1000000" for a tenth).
@@ -21,8 +23,11 @@ REQUESTS=${1:-5000}
 CONCURRENCY=${2:-32}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
-cargo build --release -q -p idemkey-server
-BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
+if [ -z "${IDEMKEY_BIN:-}" ]; then
+  cargo build --release -q -p idemkey-server
+  IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
+fi
+BIN=$IDEMKEY_BIN
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
 work_dir bench

@@ -1,36 +1,40 @@
 #!/usr/bin/env bash
 # `idemkey gateway` under load, with its CPU per request (and PostgreSQL's): for SQLite and a
-# throwaway PostgreSQL (fsync on), starts the counting upstream of ../shared/peers (the axum
-# peer with its layer inert, 0 ms effect), the gateway in front of it, and runs
-# `idemkey bench` in fresh and replay mode against POST /payments. Loopback only; bounded by
-# --requests and --duration. For before/after (BEFORE), and for the CPU a request costs each
-# process beside idempotent-proxy's (PROXY); the peers' harness compares the two too
-# (../shared/peers/gateway_side_by_side.py), without CPU figures.
+# throwaway PostgreSQL (fsync on), starts an upstream, the gateway in front of it, and runs
+# `idemkey bench` in fresh and replay mode through it. Loopback only; bounded by --requests
+# and --duration. For before/after (BEFORE), and for the CPU a request costs each process
+# beside idempotent-proxy's (PROXY).
 #
 #   scripts/bench_gateway.sh [REQUESTS] [CONCURRENCY] [ROUNDS]
 #
+# The upstream is this build's `idemkey serve`, its unkeyed POST /v1/baseline/payments (the
+# payment and its ledger entry in one SQLite transaction, no idempotency), so the gateway's
+# figures include an upstream that commits each effect. UPSTREAM=path runs another upstream
+# instead: a program listening on HOST:PORT from its environment that answers POST /payments
+# (EFFECT_DELAY_MS=0 and INJECT_SESSION=0 are set for it).
 # BEFORE=path/to/an/older/idemkey runs that build's gateway too, alternating with this
 # build's ROUNDS times (default 2), each on a fresh database; labels `<store>-before`.
 # STORES=postgres (or sqlite) runs one store only.
 # PROXY=path/to/idempotent-proxy-server also runs idempotent-proxy (ldclabs, the other Rust
 # idempotency proxy) with a throwaway Redis (redis-server, no persistence) before the same
 # upstream, after the gateway in each round; its "store" CPU is Redis's.
-# UPSTREAM=path overrides the upstream binary (built by ../shared/peers/run_all.sh --only none,
-# or `cargo build --release` in ../shared/peers/rust-axum-idempotent).
+# IDEMKEY_BIN=PATH measures that `idemkey` binary instead of building this checkout.
+# Reports: $OUT/gateway-LABEL-ROUND-MODE.json (OUT=target/bench-results).
 #
-# (`idemkey bench`'s fresh mode first runs an unkeyed baseline phase; the upstream refuses
-# unkeyed requests with 400, so that phase only measures the gateway's pass-through.)
+# (`idemkey bench`'s fresh mode first runs an unkeyed baseline phase; it goes to the same
+# route without a key, so that phase only measures the gateway's pass-through.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${1:-6000}
 CONCURRENCY=${2:-32}
 ROUNDS=${3:-2}
 OUT=${OUT:-target/bench-results}
-UPSTREAM=${UPSTREAM:-../shared/peers/rust-axum-idempotent/target/release/peer-axum-idempotent}
-[ -x "$UPSTREAM" ] || { echo "no upstream at $UPSTREAM (see the comment at the top)" >&2; exit 2; }
 mkdir -p "$OUT"
-cargo build --release -q -p idemkey-server
-BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
+if [ -z "${IDEMKEY_BIN:-}" ]; then
+  cargo build --release -q -p idemkey-server
+  IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
+fi
+BIN=$IDEMKEY_BIN
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
 work_dir bench-gateway
@@ -38,18 +42,26 @@ work_dir bench-gateway
 . scripts/lib/pg.sh
 start_pg
 
-UP_PORT=$(free_port)
-EFFECT_DELAY_MS=0 INJECT_SESSION=0 PORT=$UP_PORT HOST=127.0.0.1 "$UPSTREAM" >"$WORK/upstream.log" 2>&1 &
-PIDS+=("$!")
+if [ -n "${UPSTREAM:-}" ]; then
+  [ -x "$UPSTREAM" ] || { echo "no upstream at $UPSTREAM" >&2; exit 2; }
+  UP_PORT=$(free_port)
+  UP_PATH=/payments
+  EFFECT_DELAY_MS=0 INJECT_SESSION=0 PORT=$UP_PORT HOST=127.0.0.1 "$UPSTREAM" >"$WORK/upstream.log" 2>&1 &
+  PIDS+=("$!")
+else
+  bench_serve "sqlite:$WORK/upstream.db" "$BIN"
+  UP_PORT=${SERVER_URL##*:}
+  UP_PATH=/v1/baseline/payments
+fi
 
 load() { # $1 = label, $2 = port, $3 = the proxy's pid, $4 = path, then extra `idemkey bench` arguments
   local label=$1 port=$2 pid=$3 path=$4; shift 4
   for mode in fresh replay; do
-    "$BIN" bench --url "http://127.0.0.1:$port" --token t --mode "$mode" --path "$path" \
+    "$BIN" bench --url "http://127.0.0.1:$port" --token tok_bench --mode "$mode" --path "$path" \
       --baseline-path "$path" --effects-path "" --requests "$REQUESTS" \
       --concurrency "$CONCURRENCY" --duration 120s --server-pid "$pid" "$@" --json \
-      >"$OUT/gateway-$label-$mode.json"
-    python3 - "$OUT/gateway-$label-$mode.json" "$label" <<'PY'
+      >"$OUT/gateway-$label-$ROUND-$mode.json"
+    python3 - "$OUT/gateway-$label-$ROUND-$mode.json" "$label" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 p = r["phases"][-1]
@@ -65,13 +77,13 @@ run() { # $1 = label, $2 = binary, $3 = database URL, then extra `idemkey bench`
   local label=$1 bin=$2 db=$3; shift 3
   local port; port=$(free_port)
   "$bin" gateway --listen "127.0.0.1:$port" --upstream "http://127.0.0.1:$UP_PORT" \
-    --database-url "$db" --key-secret bench-secret-of-at-least-32-bytes --optional-route "POST /payments" \
-    --api-key bench=t \
+    --database-url "$db" --key-secret bench-secret-of-at-least-32-bytes --optional-route "POST $UP_PATH" \
+    --api-key bench=tok_bench \
     >"$WORK/gateway-$port.log" 2>&1 &
   local pid=$!
   PIDS+=("$pid")
   until_listening "$WORK/gateway-$port.log"
-  load "$label" "$port" "$pid" /payments "$@"
+  load "$label" "$port" "$pid" "$UP_PATH" "$@"
   kill "$pid"
 }
 
@@ -83,7 +95,7 @@ proxy() { # idempotent-proxy ($PROXY) and a throwaway Redis (no persistence), be
     >"$WORK/redis-$redis_port.log" 2>&1 &
   redis=$!
   touch "$WORK/.env" # idempotent-proxy refuses to start without one
-  (cd "$WORK" && SERVER_ADDR=127.0.0.1:$port URL_UP=http://127.0.0.1:$UP_PORT/payments \
+  (cd "$WORK" && SERVER_ADDR=127.0.0.1:$port URL_UP=http://127.0.0.1:$UP_PORT$UP_PATH \
     REDIS_URL=redis://127.0.0.1:$redis_port exec "$PROXY") >"$WORK/proxy-$port.log" 2>&1 &
   pid=$!
   PIDS+=("$redis" "$pid")
@@ -105,6 +117,7 @@ one() { # $1 = store, $2 = before|after, $3 = round
 # With BEFORE, the two builds alternate which runs first (the first run of a pair tends to be
 # the faster): BEFORE first in odd rounds, this build first in even ones.
 for n in $(seq "$ROUNDS"); do
+  ROUND=$n
   for store in ${STORES:-sqlite postgres}; do
     if [ -z "${BEFORE:-}" ]; then
       one "$store" after "$n"

@@ -19,6 +19,8 @@
 # galera-4 and rsync (docs/guide/getting-started.md). About 3 minutes on 2 cores.
 #
 #   scripts/bench_mysql.sh [REQUESTS] [CONCURRENCY]
+#
+# IDEMKEY_BIN=PATH measures that `idemkey` binary instead of building this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${1:-20000}
@@ -26,7 +28,10 @@ CONCURRENCY=${2:-32}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
 started=$(date +%s)
-cargo build --release -q -p idemkey-server
+if [ -z "${IDEMKEY_BIN:-}" ]; then
+  cargo build --release -q -p idemkey-server
+  IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
+fi
 cargo build -q -p idemkey-testkit --example throwaway_mariadb
 TARGET=${CARGO_TARGET_DIR:-$PWD/target}
 # shellcheck source=lib/work.sh
@@ -34,7 +39,7 @@ TARGET=${CARGO_TARGET_DIR:-$PWD/target}
 work_dir bench-mysql
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh
-work_copy_of "$TARGET/release/idemkey"
+work_copy_of "$IDEMKEY_BIN"
 cp "$TARGET/debug/examples/throwaway_mariadb" "$WORK/throwaway_mariadb"
 
 # start_mariadb [--galera N]: the kit's servers, held until stop_mariadb (or this script's

@@ -37,6 +37,7 @@
 #   scripts/pgbench_record.sh [ROUNDS] [SECONDS] [CLIENTS]
 #
 # VARIANTS="baseline external …" runs those only (the first is the ratios' baseline).
+# STORE_RECORD=PATH runs that pg_store_record example binary instead of building it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}
@@ -149,8 +150,10 @@ for v in "${VARIANTS[@]}"; do
   case $v in sqlx_*) ;; *) script "$v" >"$WORK/$v.sql" ;; esac
 done
 if [[ " ${VARIANTS[*]}" == *" sqlx_"* ]]; then
-  cargo build --release -q -p idemkey-server --example pg_store_record
-  STORE_RECORD=target/release/examples/pg_store_record
+  if [ -z "${STORE_RECORD:-}" ]; then
+    cargo build --release -q -p idemkey-server --example pg_store_record
+    STORE_RECORD=${CARGO_TARGET_DIR:-$PWD/target}/release/examples/pg_store_record
+  fi
 fi
 
 TICK=$(getconf CLK_TCK)

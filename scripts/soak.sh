@@ -12,6 +12,7 @@
 # then the replay cache (100 000 entries by default) and the pools have filled. The verdict
 # compares the last minute's median VmRSS with the median of the minute after warm-up:
 # growth <= 10 % is the target. Samples: $OUT/soak-STORE.csv (seconds, VmRSS KiB).
+# IDEMKEY_BIN=PATH measures that `idemkey` binary instead of building this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${1:-600}
@@ -20,13 +21,16 @@ INTERVAL=${INTERVAL:-5}
 WARMUP=${WARMUP:-$((DURATION * 3 / 10))}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
-cargo build --release -q -p idemkey-server
+if [ -z "${IDEMKEY_BIN:-}" ]; then
+  cargo build --release -q -p idemkey-server
+  IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
+fi
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
 work_dir soak
-work_copy_of "${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey"
+work_copy_of "$IDEMKEY_BIN"
 
 
 case $STORE in
