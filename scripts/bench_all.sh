@@ -8,7 +8,8 @@
 #   bench              scripts/bench.sh: fresh and replay, SQLite and PostgreSQL (the chart)
 #   gateway            scripts/bench_gateway.sh (PROXY=path adds idempotent-proxy)
 #   mysql              scripts/bench_mysql.sh: MariaDB and a three-node Galera cluster
-#   scale              scripts/bench_scale.sh, only with SCALE=1 (tens of minutes, ~14 GB)
+#   scale              scripts/bench_scale.sh, only with SCALE=1 (tens of minutes, ~14 GB;
+#                      bounded by SCALE_TIMEOUT seconds, default 7200)
 #   soak-sqlite, soak-postgres   scripts/soak.sh
 #   sqlite-record      the sqlite_record example (the record's cost to SQLite alone)
 #   pgbench-record, pgbench-grouped-N   scripts/pgbench_record.sh
@@ -144,7 +145,7 @@ phase gateway scripts/bench_gateway.sh "${GATEWAY[@]}"
 [ -n "${PROXY:-}" ] || echo "   (idempotent-proxy not run: PROXY=path/to/idempotent-proxy-server runs it beside the gateway)"
 phase mysql scripts/bench_mysql.sh "${MYSQL[@]}"
 if [ "${SCALE:-0}" = 1 ]; then
-  phase scale scripts/bench_scale.sh "${SCALE_ARGS[@]}"
+  PHASE_TIMEOUT=${SCALE_TIMEOUT:-7200} phase scale scripts/bench_scale.sh "${SCALE_ARGS[@]}"
 else
   skip scale "the 10^7-record scale and purge runs take tens of minutes and ~14 GB: SCALE=1 runs them"
 fi
