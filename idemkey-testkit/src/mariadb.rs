@@ -346,17 +346,27 @@ impl GaleraCluster {
         self.kit.url(self.nodes[i].port)
     }
 
-    /// Creates an empty database of its own for a test, on node 0 (Galera replicates the
-    /// statement to every node): its URL on each node, node 0 first.
+    /// Creates an empty database of its own for a test: its URL on each running node, node 0
+    /// first.
+    ///
+    /// Node 0 creates it; Galera orders the statement cluster-wide but another node applies
+    /// it in its own time, and a connection naming the database there a moment later could
+    /// find none (error 1049). So each other node then runs `CREATE DATABASE IF NOT EXISTS`
+    /// itself, which returns once that node has applied everything ordered before it.
     ///
     /// # Panics
     ///
-    /// When `CREATE DATABASE` fails.
+    /// When a `CREATE DATABASE` fails.
     pub fn fresh_database(&self) -> Vec<String> {
         let name = self
             .kit
             .create_fresh_database(self.nodes[0].port)
             .unwrap_or_else(|e| panic!("cannot create a database: {e}"));
+        for node in self.nodes.iter().skip(1).filter(|n| n.running.is_some()) {
+            self.kit
+                .query(node.port, &format!("CREATE DATABASE IF NOT EXISTS {name}"))
+                .unwrap_or_else(|e| panic!("cannot see database {name} on {}: {e}", node.name));
+        }
         self.nodes
             .iter()
             .map(|node| self.kit.database_url(node.port, &name))
