@@ -8,8 +8,8 @@ use idemkey_sqlx::Code;
 use sqlx::error::DatabaseError;
 use sqlx::mysql::MySqlDatabaseError;
 
-/// ER_DUP_ENTRY: the claim's `INSERT` met the key's row; the key is taken.
-pub(crate) const DUPLICATE_KEY: u16 = 1062;
+/// ER_DUP_ENTRY: an `INSERT` met a unique key's row (for the claim: the key is taken).
+pub const DUPLICATE_KEY: u16 = 1062;
 /// ER_LOCK_DEADLOCK: InnoDB broke a deadlock by rolling back this WHOLE transaction.
 pub(crate) const DEADLOCK: u16 = 1213;
 /// ER_UNKNOWN_SYSTEM_VARIABLE: a `SET` of a variable the server does not have.
@@ -32,7 +32,7 @@ pub(crate) fn code(number: u16) -> Code {
 }
 
 /// The MySQL error number of a database error (`None` for any other error).
-pub(crate) fn number(e: &sqlx::Error) -> Option<u16> {
+pub fn error_number(e: &sqlx::Error) -> Option<u16> {
     match e {
         sqlx::Error::Database(db) => of(&**db),
         _ => None,

@@ -12,7 +12,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use idemkey_sqlx::Code;
 use tokio::time::Instant;
 
-use crate::codes::{DUPLICATE_KEY, UNKNOWN_SYSTEM_VARIABLE, code, error, number};
+use crate::codes::{DUPLICATE_KEY, UNKNOWN_SYSTEM_VARIABLE, code, error, error_number};
 
 /// Galera's causality checks for the session: reads (and `BEGIN`), updates and deletes,
 /// inserts and replaces wait until the node has applied every write the cluster ordered
@@ -26,7 +26,7 @@ const SYNC_WAIT: &str = "SET SESSION wsrep_sync_wait = 7";
 /// without Galera does not (error 1193), and then there is nothing to make causal.
 async fn causal_reads(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
     match conn.execute(SYNC_WAIT).await {
-        Err(e) if number(&e) == Some(UNKNOWN_SYSTEM_VARIABLE) => Ok(()),
+        Err(e) if error_number(&e) == Some(UNKNOWN_SYSTEM_VARIABLE) => Ok(()),
         done => done.map(drop),
     }
 }
@@ -275,7 +275,7 @@ const RELEASE_LOCK: &str = "DELETE FROM idemkey_migration_lock WHERE id = 1 AND 
 /// Whether `e` says another process's statement on the lock row won: the row is there
 /// (1062), or ours lost to it (busy: 1213 on Galera's certification, 1205).
 fn held(e: &sqlx::Error) -> bool {
-    number(e).is_some_and(|n| n == DUPLICATE_KEY || code(n) == Code::Busy)
+    error_number(e).is_some_and(|n| n == DUPLICATE_KEY || code(n) == Code::Busy)
 }
 
 /// Runs `migrators` in order on `conn`, stopping at the first that fails.

@@ -24,5 +24,5 @@ mod outbox;
 mod sql;
 mod store;
 
-pub use self::codes::is_connection_lost;
+pub use self::codes::{DUPLICATE_KEY, error_number, is_connection_lost};
 pub use self::connect::{MigrationError, MySqlStore};

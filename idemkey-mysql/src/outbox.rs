@@ -10,7 +10,7 @@ use sqlx::mysql::MySqlConnection;
 use sqlx::{AssertSqlSafe, Connection};
 
 use crate::MySqlStore;
-use crate::codes::{DEADLOCK, error, number};
+use crate::codes::{DEADLOCK, error, error_number};
 
 /// The outbox statements, in the dialect of MySQL: `?` parameters, each bound once, in the
 /// order of [`idemkey_sqlx::impl_outbox_store`]'s table.
@@ -87,7 +87,7 @@ async fn claim_due(
     limit: u32,
 ) -> Result<Vec<MessageRow>, StoreError> {
     match claim(conn, relay, now, until, limit).await {
-        Err(e) if number(&e) == Some(DEADLOCK) => Ok(Vec::new()),
+        Err(e) if error_number(&e) == Some(DEADLOCK) => Ok(Vec::new()),
         claimed => claimed.map_err(error),
     }
 }

@@ -13,7 +13,7 @@ use sqlx::query::Query;
 use sqlx::{AssertSqlSafe, Executor, FromRow, MySql, Transaction};
 
 use crate::MySqlStore;
-use crate::codes::{DEADLOCK, DUPLICATE_KEY, error, number};
+use crate::codes::{DEADLOCK, DUPLICATE_KEY, error, error_number};
 use crate::sql;
 
 /// A statement of the store's, its parameters bound in order.
@@ -72,7 +72,7 @@ async fn insert(conn: &mut MySqlConnection, r: &NewRecord) -> Result<Inserted, S
     match insert.execute(&mut *conn).await {
         Ok(done) if done.rows_affected() == 1 => return Ok(Inserted::Owned),
         Ok(_) => {}
-        Err(e) if number(&e) == Some(DUPLICATE_KEY) => {}
+        Err(e) if error_number(&e) == Some(DUPLICATE_KEY) => {}
         Err(e) => return Err(error(e)),
     }
     let row = with_id(sqlx::query(sql::FETCH_LOCKED), &r.id)
@@ -128,7 +128,7 @@ impl MySqlStore {
 
 fn is_deadlock(e: &(dyn std::error::Error + 'static)) -> bool {
     e.downcast_ref::<sqlx::Error>()
-        .and_then(number)
+        .and_then(error_number)
         .is_some_and(|n| n == DEADLOCK)
 }
 
@@ -183,7 +183,9 @@ impl Store for MySqlStore {
         }
         match tx.commit().await {
             Ok(()) => Ok(()),
-            Err(e) if number(&e) == Some(DEADLOCK) => Err(CommitError::NotCommitted(error(e))),
+            Err(e) if error_number(&e) == Some(DEADLOCK) => {
+                Err(CommitError::NotCommitted(error(e)))
+            }
             Err(e) => Err(CommitError::Unknown(error(e))),
         }
     }

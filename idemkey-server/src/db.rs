@@ -18,7 +18,7 @@ use idemkey_sqlite::rusqlite::{self, OptionalExtension};
 use idemkey_sqlite::{RusqliteStore, SqliteStore};
 use serde::Serialize;
 use sqlx::migrate::Migrator;
-use sqlx::mysql::{MySqlConnection, MySqlDatabaseError};
+use sqlx::mysql::MySqlConnection;
 use sqlx::postgres::PgConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
 
@@ -795,19 +795,6 @@ mod mysql_sql {
     pub(super) const COUNT_PAYMENTS: &str = "SELECT count(*) FROM payments WHERE tenant = ?";
 }
 
-/// MySQL's error number of a database error (`None` for any other error).
-pub(crate) fn mysql_number(error: &sqlx::Error) -> Option<u16> {
-    match error {
-        sqlx::Error::Database(db) => db
-            .try_downcast_ref::<MySqlDatabaseError>()
-            .map(MySqlDatabaseError::number),
-        _ => None,
-    }
-}
-
-/// ER_DUP_ENTRY: an `INSERT` met a unique key's row.
-const MYSQL_DUPLICATE_KEY: u16 = 1062;
-
 impl AppDb for MySqlStore {
     /// By error number: a lost connection or a server shutting down
     /// ([`idemkey_mysql::is_connection_lost`]: 1040, 1053, 1152, 1184, 1927, 4031), 1021
@@ -817,7 +804,7 @@ impl AppDb for MySqlStore {
         if idemkey_mysql::is_connection_lost(error) {
             return Some(Unavailable::CONNECTION_LOST);
         }
-        let reason = match mysql_number(error)? {
+        let reason = match idemkey_mysql::error_number(error)? {
             1021 => "the database's disk is full",
             1114 => "the database is full",
             1037 | 1038 | 1041 => "the database is out of resources",
@@ -851,7 +838,10 @@ impl AppDb for MySqlStore {
             .await
         {
             Ok(_) => {}
-            Err(e) if p.reference.is_some() && mysql_number(&e) == Some(MYSQL_DUPLICATE_KEY) => {
+            Err(e)
+                if p.reference.is_some()
+                    && idemkey_mysql::error_number(&e) == Some(idemkey_mysql::DUPLICATE_KEY) =>
+            {
                 let payment_id = sqlx::query_scalar(mysql_sql::PAYMENT_BY_REFERENCE)
                     .bind(&p.tenant)
                     .bind(&p.reference)
