@@ -9,7 +9,6 @@ pub(crate) mod nats;
 use futures::future::BoxFuture;
 use idemkey_core::BoxError;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idemkey_core::Store;
@@ -161,17 +160,9 @@ fn mariadb() -> &'static idemkey_testkit::MariaDb {
 /// A fresh, migrated database on this binary's MariaDB server with an `effects` table, and
 /// its URL.
 pub(crate) async fn fresh_mysql() -> (MySqlStore, String) {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let url = tokio::task::spawn_blocking(|| {
-        let server = mariadb();
-        let name = format!("outbox{}", NEXT.fetch_add(1, Ordering::Relaxed));
-        server.query(&format!("CREATE DATABASE {name}")).unwrap();
-        let base = server.url();
-        let (server_url, _) = base.rsplit_once('/').unwrap();
-        format!("{server_url}/{name}")
-    })
-    .await
-    .unwrap();
+    let url = tokio::task::spawn_blocking(|| mariadb().fresh_database())
+        .await
+        .unwrap();
     let store = MySqlStore::connect(&url, 24).await.unwrap();
     store.migrate().await.unwrap();
     sqlx::query("CREATE TABLE effects (label VARCHAR(255) NOT NULL) ENGINE = InnoDB")
