@@ -45,9 +45,7 @@ impl<S: Store, M: Mode> Keyed<S, M> {
         }
         self.found(protocol::probe(&self.layer.store, claim)).await
     }
-}
 
-impl<S: Store, M: Mode> Keyed<S, M> {
     /// The record another attempt committed for the key while this attempt's transaction
     /// failed or rolled back, as this attempt's retry would find it. Where the claim's row
     /// lock keeps every other attempt out until this one ends (PostgreSQL, SQLite, a single
