@@ -135,7 +135,8 @@ fi
 for store in sqlite postgres; do
   phase "overhead-$store" env STORE=$store WRK=$WRK scripts/bench_overhead.sh "$IDEMKEY_BIN" "${OVERHEAD[@]}"
 done
-phase bench scripts/bench.sh "${BENCH[@]}"
+# bench.sh runs bench_scale.sh itself under SCALE=1: here the scale phase below does.
+phase bench env -u SCALE scripts/bench.sh "${BENCH[@]}"
 if [ -n "${PEERS:-}" ]; then
   phase peers python3 "$PEERS" "$IDEMKEY_BIN" --seconds "$([ "$QUICK" = 1 ] && echo 2 || echo 8)"
 else
