@@ -138,7 +138,9 @@ done
 # bench.sh runs bench_scale.sh itself under SCALE=1: here the scale phase below does.
 phase bench env -u SCALE scripts/bench.sh "${BENCH[@]}"
 if [ -n "${PEERS:-}" ]; then
-  phase peers python3 "$PEERS" "$IDEMKEY_BIN" --seconds "$([ "$QUICK" = 1 ] && echo 2 || echo 8)"
+  # The harness starts `serve` on PostgreSQL too, which refuses to start without a key secret.
+  phase peers env IDEMKEY_KEY_SECRET="${IDEMKEY_KEY_SECRET:-$(openssl rand -hex 32)}" \
+    python3 "$PEERS" "$IDEMKEY_BIN" --seconds "$([ "$QUICK" = 1 ] && echo 2 || echo 8)"
 else
   skip peers "the peers' harness is outside this repository: PEERS=path/to/side_by_side.py runs it"
 fi
