@@ -22,7 +22,7 @@
 //! 10⁶ records and to 706 MB under one of 10⁷. Woken by changed rows too, but with the
 //! writer giving up its try whenever the checkpointer held the checkpoint (one try in three
 //! under a purge), it grew to 83–428 MB. With both rules, it reached 78–104 MB in four purges
-//! of 10⁶ and 118 MB in one of 10⁷ (docs/benchmarks.md, "The WAL under a purge").
+//! of 10⁶ and 118 MB in one of 10⁷ (under `scripts/bench_scale.sh`'s purge run).
 //!
 //! The writer thus syncs for a checkpoint about once per [`WAL_FRAMES_BOUND`] frames
 //! instead of once per 1000, and the WAL file stays near that bound: 10 000 frames of
