@@ -23,13 +23,10 @@ REQUESTS=${1:-5000}
 CONCURRENCY=${2:-32}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
-if [ -z "${IDEMKEY_BIN:-}" ]; then
-  cargo build --release -q -p idemkey-server
-  IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
-fi
-BIN=$IDEMKEY_BIN
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
+idemkey_bin
+BIN=$IDEMKEY_BIN
 work_dir bench
 
 # shellcheck source=lib/pg.sh

@@ -30,13 +30,10 @@ CONCURRENCY=${2:-32}
 ROUNDS=${3:-2}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
-if [ -z "${IDEMKEY_BIN:-}" ]; then
-  cargo build --release -q -p idemkey-server
-  IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
-fi
-BIN=$IDEMKEY_BIN
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
+idemkey_bin
+BIN=$IDEMKEY_BIN
 work_dir bench-gateway
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh

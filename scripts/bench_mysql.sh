@@ -28,14 +28,11 @@ CONCURRENCY=${2:-32}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
 started=$(date +%s)
-if [ -z "${IDEMKEY_BIN:-}" ]; then
-  cargo build --release -q -p idemkey-server
-  IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
-fi
-cargo build -q -p idemkey-testkit --example throwaway_mariadb
-TARGET=${CARGO_TARGET_DIR:-$PWD/target}
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
+idemkey_bin
+cargo build -q -p idemkey-testkit --example throwaway_mariadb
+TARGET=${CARGO_TARGET_DIR:-$PWD/target}
 work_dir bench-mysql
 # shellcheck source=lib/pg.sh
 . scripts/lib/pg.sh

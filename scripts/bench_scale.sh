@@ -42,14 +42,11 @@ PURGE_WAIT=${PURGE_WAIT:-1800}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-if [ -z "${IDEMKEY_BIN:-}" ]; then
-  cargo build --release -q -p idemkey-server
-  IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
-fi
-# shellcheck source=lib/pg.sh
-. scripts/lib/pg.sh
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
+idemkey_bin
+# shellcheck source=lib/pg.sh
+. scripts/lib/pg.sh
 work_dir scale
 work_copy_of "$IDEMKEY_BIN"
 "$BIN" bench --help | grep -q -- --run-id || { echo "$IDEMKEY_BIN has no \`bench --run-id\`: too old a build" >&2; exit 1; }

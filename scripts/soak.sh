@@ -21,14 +21,11 @@ INTERVAL=${INTERVAL:-5}
 WARMUP=${WARMUP:-$((DURATION * 3 / 10))}
 OUT=${OUT:-target/bench-results}
 mkdir -p "$OUT"
-if [ -z "${IDEMKEY_BIN:-}" ]; then
-  cargo build --release -q -p idemkey-server
-  IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
-fi
-# shellcheck source=lib/pg.sh
-. scripts/lib/pg.sh
 # shellcheck source=lib/work.sh
 . scripts/lib/work.sh
+idemkey_bin
+# shellcheck source=lib/pg.sh
+. scripts/lib/pg.sh
 work_dir soak
 work_copy_of "$IDEMKEY_BIN"
 

@@ -23,6 +23,15 @@
 #   run_header CMD NOTE
 #                     prints the date, the machine, the commit and CMD, and how long the run
 #                     took ($took seconds, then NOTE), for a report's first lines
+#   idemkey_bin       sets IDEMKEY_BIN to the `idemkey` the caller named in it, else builds
+#                     this checkout's release binary and names that
+
+idemkey_bin() {
+  if [ -z "${IDEMKEY_BIN:-}" ]; then
+    cargo build --release -q -p idemkey-server
+    IDEMKEY_BIN=${CARGO_TARGET_DIR:-$PWD/target}/release/idemkey
+  fi
+}
 
 work_dir() {
   WORK=$(mktemp -d "/tmp/idemkey-$1.XXXXXX")
