@@ -13,10 +13,6 @@
 # change is measured against what it replaced on the same machine minutes apart.
 #
 # IDEMKEY_BIN=PATH measures that `idemkey` binary instead of building this checkout.
-#
-# SCALE=1 then runs scripts/bench_scale.sh (the 10^7-record scale run and the purge under
-# load: tens of minutes and ~14 GB of disk), with SCALE_ARGS as its arguments
-# ("[LARGE] [SMALL] [REQUESTS] [CONCURRENCY]", e.g. SCALE_ARGS="1000000" for a tenth).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${1:-5000}
@@ -81,7 +77,3 @@ python3 scripts/lib/bench_report.py "$OUT" sqlite-before sqlite postgres-before 
   tee "$OUT/bench.md"
 echo "JSON reports and the table (bench.md) in $OUT"
 
-if [ "${SCALE:-0}" = 1 ]; then
-  # shellcheck disable=SC2086 # SCALE_ARGS is a list of arguments
-  OUT=$OUT scripts/bench_scale.sh ${SCALE_ARGS:-}
-fi

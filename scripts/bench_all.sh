@@ -28,6 +28,9 @@
 # ALLOW_DIRTY=1. Needs what the scripts it runs need (docs/benchmarks.md, "How to reproduce").
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The whole run is one compound command, read before any of it runs: bash reads a script as it
+# goes, and an edit to this file during an hour-long run would otherwise change what runs next.
+{
 COMMIT=$(git rev-parse --short HEAD)
 DIRTY=false
 if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
@@ -135,8 +138,7 @@ fi
 for store in sqlite postgres; do
   phase "overhead-$store" env STORE=$store WRK=$WRK scripts/bench_overhead.sh "$IDEMKEY_BIN" "${OVERHEAD[@]}"
 done
-# bench.sh runs bench_scale.sh itself under SCALE=1: here the scale phase below does.
-phase bench env -u SCALE scripts/bench.sh "${BENCH[@]}"
+phase bench scripts/bench.sh "${BENCH[@]}"
 if [ -n "${PEERS:-}" ]; then
   # The harness starts `serve` on PostgreSQL too, which refuses to start without a key secret.
   phase peers env IDEMKEY_KEY_SECRET="${IDEMKEY_KEY_SECRET:-$(openssl rand -hex 32)}" \
@@ -168,3 +170,5 @@ python3 scripts/bench_chart.py "$OUT/bench" -o "$OUT/bench.svg" --commit "$COMMI
   --date "$(date -u +%Y-%m-%d)" || echo "   no chart: bench produced no reports"
 python3 scripts/lib/bench_summary.py "$OUT" >"$OUT/summary.md"
 echo "took $(($(date +%s) - started)) s; the figures in $OUT/summary.md"
+exit
+}
