@@ -63,12 +63,10 @@ def state(name):
 
 
 def section(title, *names):
+    """The section's heading, then why each of its phases that did not succeed has no figures."""
     print(f"\n## {title}\n")
     for name in names:
-        row = PHASES.get(name)
-        if row and row["status"] not in ("0", "skipped"):
-            print(state(name) + "\n")
-        elif row and row["status"] == "skipped":
+        if name in PHASES and state(name):
             print(state(name) + "\n")
 
 
@@ -115,8 +113,8 @@ for store, name in (("SQLite", "overhead-sqlite"), ("PostgreSQL", "overhead-post
         print(f"| {store} | {label} | {col(2)} | {col(0)} | {col(1)}"
               f" | {span(num(3))} · {span(num(4))} | {db} |")
 
-# One run, charted: scripts/bench.sh's reports.
-section("One run, charted", "bench")
+# Charted: scripts/bench.sh's reports.
+section("Overhead against no idempotency: charted", "bench")
 reports = {}
 for store in ("sqlite", "postgres"):
     fresh = load(os.path.join(OUT, "bench", f"{store}-fresh.json"))
@@ -180,7 +178,7 @@ if state("scale") is None and (text := read("scale", "scale.md")):
     print(text.rstrip())
 
 # Memory over time: soak.sh's own verdict (its last lines), per store.
-section("Memory over time (soak)", "soak-sqlite", "soak-postgres")
+section("Memory over 10 minutes (soak)", "soak-sqlite", "soak-postgres")
 for store in ("sqlite", "postgres"):
     log = (read(f"soak-{store}", "log.txt") or "").splitlines()
     start = next((i for i, l in enumerate(log) if l.startswith(f"soak, {store}:")), None)
@@ -230,7 +228,7 @@ if grouped:
     print("| database CPU µs per request | " + " | ".join(" · ".join(str(r[2]) for r in c) or "—" for c in cols) + " |")
 
 # Fingerprinting: criterion's estimates (the middle of each `time:` interval).
-section("Fingerprinting (criterion)", "fingerprint")
+section("Fingerprinting", "fingerprint")
 name = None
 print("| benchmark | time (criterion's estimate) |\n|---|---|")
 for line in (read("fingerprint", "log.txt") or "").splitlines():
